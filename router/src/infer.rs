@@ -1,0 +1,225 @@
+//! The seam between the HTTP side of the router and the scheduler.
+//!
+//! Handlers turn an HTTP body into a [`ValidRequest`] (validated, tokenized),
+//! then call [`Infer::generate`], which hands it to the scheduler task and
+//! returns a stream of [`InferEvent`]s. Dropping the stream cancels the
+//! request: the scheduler notices the closed channel at its next step, lists
+//! the request in `finished_ids` and frees its blocks.
+//!
+//! Who decides what:
+//! - the scheduler stops a request on EOS (unless `ignore_eos`), on
+//!   `max_new_tokens`, and on a shard error;
+//! - the handler side stops on a stop sequence (it owns the detokenizer):
+//!   it drops the stream, which the scheduler sees as a cancellation.
+
+use std::time::Instant;
+
+use tokio::sync::{mpsc, oneshot};
+
+/// Per-request sampling parameters, already range-checked. Neutral values
+/// disable a feature (see `SamplingParams` in proto/sluice/v1/shard.proto).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParameters {
+    pub temperature: f32,
+    pub top_k: u32,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub typical_p: f32,
+    pub repetition_penalty: f32,
+    pub frequency_penalty: f32,
+    pub presence_penalty: f32,
+    /// Always set: the router draws one when the client gave none, so a
+    /// preempted request resumes with exactly the same randomness.
+    pub seed: u64,
+    pub logit_bias: Vec<(u32, f32)>,
+}
+
+impl Default for SamplingParameters {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            typical_p: 1.0,
+            repetition_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            seed: 0,
+            logit_bias: Vec::new(),
+        }
+    }
+}
+
+/// A request that passed validation: nothing past the handlers sees anything
+/// else.
+#[derive(Debug, Clone)]
+pub struct ValidRequest {
+    pub input_ids: Vec<u32>,
+    /// `input_ids.len() + max_new_tokens <= max_total_tokens` holds.
+    pub max_new_tokens: u32,
+    pub params: SamplingParameters,
+    /// Keep generating past EOS (benchmarks; vLLM's `ignore_eos`).
+    pub ignore_eos: bool,
+    /// EOS is masked until this many tokens were generated.
+    pub min_tokens: u32,
+    /// Return each chosen token's logprob.
+    pub logprobs: bool,
+    /// Alternatives per generated token (0: none).
+    pub top_n_tokens: u32,
+    /// Return prompt logprobs (TGI `decoder_input_details`, OpenAI `echo`).
+    pub prompt_logprobs: bool,
+    /// When the HTTP request arrived (queue-time metrics).
+    pub arrived: Instant,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TokenLogprob {
+    pub token_id: u32,
+    pub logprob: f32,
+}
+
+/// One generated token as the shard returned it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GeneratedToken {
+    pub token_id: u32,
+    /// NaN unless logprobs or top_n_tokens were asked for.
+    pub logprob: f32,
+    pub top_tokens: Vec<TokenLogprob>,
+    /// True for the token whose `logprob` belongs to an EOS id.
+    pub is_eos: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// EOS token.
+    Eos,
+    /// `max_new_tokens` reached.
+    Length,
+}
+
+/// What the scheduler sends a request's stream, in this order: one `Prefill`
+/// (when its prompt has been read), then one `Token` per generated token, the
+/// last of which is followed by `End`. An `Error` ends the stream early.
+#[derive(Debug, Clone, PartialEq)]
+pub enum InferEvent {
+    Prefill {
+        /// Prompt tokens whose KV came from the prefix cache.
+        cached_tokens: u32,
+        /// With `prompt_logprobs`: logprob of prompt token i given [0, i),
+        /// for i >= 1 (so `input_ids.len() - 1` entries).
+        prompt_logprobs: Vec<TokenLogprob>,
+        queued: Instant,
+        started: Instant,
+    },
+    Token(GeneratedToken),
+    End {
+        reason: FinishReason,
+        generated_tokens: u32,
+    },
+}
+
+#[derive(Debug, Clone, thiserror::Error, PartialEq)]
+pub enum InferError {
+    /// The queue is full (`--max-concurrent-requests`): HTTP 429.
+    #[error("the server is overloaded: {0}")]
+    Overloaded(String),
+    /// The router is draining: HTTP 503.
+    #[error("the server is shutting down")]
+    ShuttingDown,
+    /// The shard failed this request (or the whole step): HTTP 500-class,
+    /// readable by the client.
+    #[error("generation failed: {0}")]
+    Generation(String),
+    /// The request can never be scheduled (e.g. needs more blocks than the
+    /// cache holds): HTTP 422.
+    #[error("{0}")]
+    Unschedulable(String),
+}
+
+pub type InferStream = mpsc::UnboundedReceiver<Result<InferEvent, InferError>>;
+
+/// A command to the scheduler task.
+#[derive(Debug)]
+pub struct Entry {
+    pub request: ValidRequest,
+    pub events: mpsc::UnboundedSender<Result<InferEvent, InferError>>,
+}
+
+/// Facts the shard told us at startup, plus the scheduler's limits.
+#[derive(Debug, Clone)]
+pub struct ShardInfo {
+    pub model_type: String,
+    pub dtype: String,
+    pub device_type: String,
+    pub world_size: u32,
+    pub block_size: u32,
+    pub vocab_size: u32,
+    pub eos_token_ids: Vec<u32>,
+    pub max_position_embeddings: u32,
+    pub num_blocks: u32,
+    pub attention_backend: String,
+}
+
+/// Snapshot of the scheduler for /metrics, readiness and tests.
+#[derive(Debug, Clone, Default)]
+pub struct SchedulerStats {
+    pub waiting: usize,
+    pub running: usize,
+    pub blocks_total: u32,
+    pub blocks_free: u32,
+    /// Blocks held by the prefix tree and referenced by no running request.
+    pub blocks_cached: u32,
+    pub steps: u64,
+    /// Set while a Step RPC is in flight.
+    pub step_in_flight_since: Option<Instant>,
+    pub last_step_finished: Option<Instant>,
+    pub preemptions: u64,
+    pub evicted_blocks: u64,
+    pub prefix_hit_tokens: u64,
+    pub prefix_lookup_tokens: u64,
+}
+
+/// Cheap to clone; every handler holds one.
+#[derive(Clone)]
+pub struct Infer {
+    pub(crate) commands: mpsc::Sender<Command>,
+    pub info: std::sync::Arc<ShardInfo>,
+}
+
+#[derive(Debug)]
+pub(crate) enum Command {
+    Submit(Entry, oneshot::Sender<Result<(), InferError>>),
+    Stats(oneshot::Sender<SchedulerStats>),
+    /// Stop admitting; the reply fires when the last running request ended.
+    Drain(oneshot::Sender<()>),
+}
+
+impl Infer {
+    /// Queues a request; events arrive on the returned stream. Fails at once
+    /// with `Overloaded` when `--max-concurrent-requests` is reached.
+    pub async fn generate(&self, request: ValidRequest) -> Result<InferStream, InferError> {
+        let (events, stream) = mpsc::unbounded_channel();
+        let (ack, ack_rx) = oneshot::channel();
+        self.commands
+            .send(Command::Submit(Entry { request, events }, ack))
+            .await
+            .map_err(|_| InferError::ShuttingDown)?;
+        ack_rx.await.map_err(|_| InferError::ShuttingDown)??;
+        Ok(stream)
+    }
+
+    pub async fn stats(&self) -> Option<SchedulerStats> {
+        let (tx, rx) = oneshot::channel();
+        self.commands.send(Command::Stats(tx)).await.ok()?;
+        rx.await.ok()
+    }
+
+    /// Stops admission and waits until running requests have finished.
+    pub async fn drain(&self) {
+        let (tx, rx) = oneshot::channel();
+        if self.commands.send(Command::Drain(tx)).await.is_ok() {
+            let _ = rx.await;
+        }
+    }
+}

@@ -1,0 +1,24 @@
+//! Sluice router: everything between an HTTP request and the model shards.
+//!
+//! A request travels through the modules in this order:
+//!
+//! 1. `http`        - axum app: OpenAI and TGI routes, SSE, error mapping.
+//! 2. `validation`  - parses bodies into a [`infer::ValidRequest`]; owns the
+//!    tokenizer (`tokenizer`) and chat templates (`chat_template`).
+//! 3. `infer`       - the seam: handlers submit a `ValidRequest`, get a stream
+//!    of events back. Dropping the stream cancels the request.
+//! 4. `scheduler`   - one task owning the queue, running set, block allocator
+//!    (`blocks`) and prefix tree (`radix`); builds one `Step` at a time.
+//! 5. `client`      - the gRPC client of the shard group (tonic, unix sockets).
+//! 6. back in `http`: `detokenize` turns tokens into text incrementally,
+//!    `stop` cuts stop sequences, responses are shaped per API.
+//!
+//! `metrics` records Prometheus series; `config` is the one typed
+//! configuration built from the command line at startup.
+
+pub mod pb {
+    //! Generated from proto/sluice/v1/shard.proto by build.rs.
+    tonic::include_proto!("sluice.v1");
+}
+
+pub mod infer;
