@@ -1,0 +1,173 @@
+"""End-to-end fixtures: the launcher started as a user starts it.
+
+`launcher` (session scope) runs `sluice-launcher` with the bundled
+SmolLM2-135M-Instruct on CPU, once for the whole test session. Tests that
+need to kill or stop a server start their own with `start_launcher` and a
+tiny random-weight model, so they stay fast.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+READY_TIMEOUT_S = float(os.environ.get("SLUICE_TEST_READY_TIMEOUT", "600"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def find_executable(name: str) -> str:
+    env = os.environ.get(f"SLUICE_{name.split('-')[1].upper()}_BIN")
+    if env:
+        return env
+    here = Path(sys.executable).parent / name
+    if here.exists():
+        return str(here)
+    found = shutil.which(name)
+    if not found:
+        pytest.fail(f"{name} is not installed: run `bash scripts/install.sh --test`")
+    return found
+
+
+@dataclass
+class Launcher:
+    proc: subprocess.Popen
+    base_url: str
+    port: int
+    uds_path: str
+    lines: deque = field(default_factory=lambda: deque(maxlen=2000))
+
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def children(self) -> list[int]:
+        """PIDs of every live descendant of the launcher."""
+        out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout
+        parents: dict[int, list[int]] = {}
+        for line in out.splitlines():
+            pid, ppid = (int(x) for x in line.split())
+            parents.setdefault(ppid, []).append(pid)
+        result, todo = [], [self.proc.pid]
+        while todo:
+            for child in parents.get(todo.pop(), []):
+                result.append(child)
+                todo.append(child)
+        return result
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_launcher(*args: str, env: dict | None = None, wait_ready: bool = True, tmp: Path) -> Launcher:
+    port = free_port()
+    uds = str(tmp / "shard")
+    cmd = [
+        find_executable("sluice-launcher"),
+        "--port", str(port),
+        "--hostname", "127.0.0.1",
+        "--shard-uds-path", uds,
+        "--master-port", str(free_port()),
+        *args,
+    ]
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=full_env,
+        start_new_session=True,
+    )
+    launcher = Launcher(proc=proc, base_url=f"http://127.0.0.1:{port}", port=port, uds_path=uds)
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            launcher.lines.append(line.rstrip("\n"))
+
+    threading.Thread(target=pump, daemon=True).start()
+    if wait_ready:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"launcher exited with {proc.returncode}:\n{launcher.output()}")
+            try:
+                if httpx.get(f"{launcher.base_url}/ready", timeout=2).status_code == 200:
+                    return launcher
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        launcher.stop()
+        pytest.fail(f"launcher not ready after {READY_TIMEOUT_S}s:\n{launcher.output()}")
+    return launcher
+
+
+@pytest.fixture(scope="session")
+def launcher(tmp_path_factory) -> Launcher:
+    tmp = tmp_path_factory.mktemp("launcher")
+    server = start_launcher(
+        "--max-concurrent-requests", "64",
+        "--max-total-tokens", "2048",
+        "--max-input-tokens", "1536",
+        "--kv-cache-bytes", str(256 * 1024 * 1024),
+        tmp=tmp,
+    )
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def model_dir(launcher) -> Path:
+    """The converted folder the launcher serves (from its /info)."""
+    from sluice_server.download import bundled_model_path, resolve_model
+
+    return resolve_model(str(bundled_model_path()))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, model_dir) -> Path:
+    """A 2-layer random-weight Llama with SmolLM2's tokenizer: starts in seconds."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-model")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    LlamaForCausalLM(config).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        if (model_dir / name).exists():
+            shutil.copy(model_dir / name, out / name)
+    return out

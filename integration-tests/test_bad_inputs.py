@@ -1,0 +1,69 @@
+"""Bad input gets a 4xx naming the problem, and the server keeps serving."""
+
+import httpx
+import pytest
+
+
+@pytest.fixture(scope="module")
+def http(launcher):
+    with httpx.Client(base_url=launcher.base_url, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def model(http):
+    return http.get("/v1/models").json()["data"][0]["id"]
+
+
+def chat(model, **extra):
+    return {"model": model, "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+CASES = [
+    # (path, body builder, expected status, words the message must contain)
+    ("/v1/completions", lambda m: {"model": m, "prompt": "hello " * 3000}, 400, ["token"]),
+    ("/v1/chat/completions", lambda m: chat(m, max_tokens=-1), 400, ["max_tokens"]),
+    ("/v1/chat/completions", lambda m: chat(m, temperature="hot"), 400, ["temperature"]),
+    ("/v1/chat/completions", lambda m: {"model": m, "messages": []}, 400, ["messages"]),
+    ("/v1/chat/completions", lambda m: chat("no-such-model"), 404, ["no-such-model"]),
+    ("/v1/chat/completions", lambda m: chat(m, top_p=0), 400, ["top_p"]),
+    ("/v1/chat/completions", lambda m: chat(m, n=0), 400, ["n"]),
+    ("/v1/completions", lambda m: {"model": m, "prompt": [999999]}, 400, ["999999"]),
+    ("/generate", lambda m: {"inputs": "", "parameters": {"max_new_tokens": 4}}, 422, ["empty"]),
+    ("/generate", lambda m: {"inputs": "hi", "parameters": {"max_new_tokens": 0}}, 422, ["max_new_tokens"]),
+    ("/generate", lambda m: {"inputs": "hi", "parameters": {"top_n_tokens": 1000}}, 422, ["top_n_tokens"]),
+]
+
+
+@pytest.mark.parametrize("path,build,status,words", CASES)
+def test_bad_input_is_4xx(http, model, path, build, status, words):
+    resp = http.post(path, json=build(model))
+    assert 400 <= resp.status_code < 500
+    if resp.status_code != status:
+        # the class matters most; an exact code is preferred
+        assert (resp.status_code, status) in {(400, 422), (422, 400)}, resp.text
+    text = resp.text.lower()
+    for word in words:
+        assert word.lower() in text, resp.text
+    # and the server still serves
+    ok = http.post("/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 2}})
+    assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/generate"])
+def test_malformed_json_is_4xx(http, path):
+    resp = http.post(path, content=b"{not json", headers={"content-type": "application/json"})
+    assert 400 <= resp.status_code < 500
+    assert "json" in resp.text.lower() or "parse" in resp.text.lower() or "expected" in resp.text.lower()
+
+
+def test_openai_error_shape(http, model):
+    resp = http.post("/v1/chat/completions", json=chat(model, max_tokens=-1))
+    err = resp.json()["error"]
+    assert err["message"] and err["type"]
+
+
+def test_tgi_error_shape(http):
+    resp = http.post("/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 0}})
+    body = resp.json()
+    assert body["error"] and body["error_type"] == "validation"

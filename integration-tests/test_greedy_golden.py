@@ -1,0 +1,47 @@
+"""Greedy generation through HTTP equals transformers' on the same folder."""
+
+import httpx
+import pytest
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "Les fleurs du printemps sont",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+]
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def generate_ids(launcher, prompt: str) -> tuple[list[int], list[int]]:
+    ids = [t["id"] for t in httpx.post(f"{launcher.base_url}/tokenize", json={"inputs": prompt}).json()]
+    resp = httpx.post(
+        f"{launcher.base_url}/generate",
+        json={"inputs": prompt, "parameters": {"max_new_tokens": NEW_TOKENS, "details": True}},
+        timeout=120,
+    )
+    resp.raise_for_status()
+    return ids, [t["id"] for t in resp.json()["details"]["tokens"]]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_matches_transformers(launcher, reference, model_dir, prompt):
+    import torch
+    from transformers import GenerationConfig
+
+    input_ids, served = generate_ids(launcher, prompt)
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=reference.generation_config.eos_token_id)
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([input_ids]), generation_config=config, attention_mask=torch.ones(1, len(input_ids), dtype=torch.long))
+    expected = out[0, len(input_ids):].tolist()
+    assert served == expected
