@@ -1,0 +1,155 @@
+"""The `sluice-server` command.
+
+    sluice-server serve MODEL_DIR --uds-path PATH [--dtype auto|float32|bfloat16|float16]
+                  [--device cpu|cuda] [--kv-cache-bytes N] [--block-size 16]
+                  [--num-threads N] [--json-output]
+        Rank r (RANK, default 0) listens on unix://PATH-r and logs
+        "Server started at unix://PATH-r" once it accepts calls.
+        SIGTERM/SIGINT: stop, remove the socket, exit 0.
+
+    sluice-server download-weights MODEL_ID [--revision REV] [--huggingface-hub-cache DIR]
+        Resolves a Hub id, local folder or .gguf file to a local model folder
+        and prints that folder as the last line of stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger("sluice_server")
+
+MAX_MESSAGE_BYTES = 256 * 2**20
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "target": record.name,
+            "message": record.getMessage(),
+        }
+        rank = os.environ.get("RANK")
+        if rank is not None:
+            entry["rank"] = rank
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def setup_logging(json_output: bool, level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if json_output:
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+
+
+def socket_path(uds_path: str, rank: int) -> str:
+    """Rank r's socket file (TGI's convention: PATH-r)."""
+    return f"{uds_path}-{rank}"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="sluice-server", description="Sluice model shard")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve a model folder over gRPC on a unix socket")
+    serve.add_argument("model_dir", type=Path)
+    serve.add_argument("--uds-path", required=True, help="socket path prefix; rank r listens on PATH-r")
+    serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    serve.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    serve.add_argument("--kv-cache-bytes", type=int, default=None,
+                       help="KV cache size on CPU (default: 30%% of available RAM at warmup)")
+    serve.add_argument("--block-size", type=int, default=16)
+    serve.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    serve.add_argument("--json-output", action="store_true")
+    serve.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "info"))
+
+    dl = sub.add_parser("download-weights", help="resolve a model and print its local folder")
+    dl.add_argument("model_id")
+    dl.add_argument("--revision", default=None)
+    dl.add_argument("--huggingface-hub-cache", default=None)
+    dl.add_argument("--json-output", action="store_true")
+    dl.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "info"))
+    return parser.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace) -> int:
+    import grpc
+    import torch
+
+    from sluice_server.distributed import init_distributed
+    from sluice_server.model_runner import ModelRunner
+    from sluice_server.pb import shard_pb2_grpc
+    from sluice_server.servicer import Shard, ShardServicer
+
+    if args.block_size <= 0:
+        raise ValueError(f"--block-size must be > 0, got {args.block_size}")
+    if args.num_threads > 0:
+        torch.set_num_threads(args.num_threads)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: no CUDA device is available")
+    dist = init_distributed(device)
+    started = time.perf_counter()
+    runner = ModelRunner(args.model_dir, dtype=args.dtype, device=args.device, block_size=args.block_size, dist=dist)
+    log.info("loaded %s (%s, %s) in %.1fs", args.model_dir, runner.model_type, runner.dtype, time.perf_counter() - started)
+
+    urls = [f"unix://{socket_path(args.uds_path, r)}" for r in range(dist.world_size)]
+    path = socket_path(args.uds_path, dist.rank)
+    if os.path.exists(path):
+        os.unlink(path)  # a stale socket from a killed run
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ])
+    shard_pb2_grpc.add_ShardServicer_to_server(ShardServicer(Shard(runner, urls, args.kv_cache_bytes)), server)
+    server.add_insecure_port(f"unix://{path}")
+    await server.start()
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("Server started at unix://%s", path)
+    await stop.wait()
+    log.info("shutting down")
+    await server.stop(grace=1.0)
+    if os.path.exists(path):
+        os.unlink(path)
+    return 0
+
+
+def download_weights(args: argparse.Namespace) -> int:
+    from sluice_server.download import resolve_model
+
+    folder = resolve_model(args.model_id, revision=args.revision, cache_dir=args.huggingface_hub_cache)
+    print(folder, flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    setup_logging(args.json_output, args.log_level)
+    try:
+        if args.command == "serve":
+            return asyncio.run(serve(args))
+        return download_weights(args)
+    except Exception as e:  # noqa: BLE001 - one clear line for the launcher, then exit 1
+        log.error("%s failed: %s: %s", args.command, type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""Paged attention: one small backend interface, and the plain-torch backend.
+
+A step's tokens are flattened into one batch, sequences ordered decodes first
+(one token each), then prefill chunks:
+
+    tokens:  | d0 | d1 | d2 | p0 p0 p0 p0 p0 | p1 p1 p1 |
+    seqs:      0    1    2         3              4
+    query_start_loc = [0, 1, 2, 3, 8, 11]           (cu_seqlens of the queries)
+    seq_lens        = [c0, c1, c2, 5 + k3, 3 + k4]  (tokens with KV after the step;
+                                                      k = cached prefix length)
+
+Token t of sequence s sits at position seq_lens[s] - q_len[s] + (t - query_start_loc[s])
+and attends to the keys at positions [0, its own position] of its sequence: the
+cached prefix plus the causal part of the new tokens. Keys live in the paged
+cache (see kv_cache.py); each layer first writes its new k/v through
+`slot_mapping`, then reads whole blocks through the block tables.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything a backend needs about a step's batch. Built once per step by
+    `batch.build_batch`, shared by all layers. B sequences, T tokens."""
+
+    # [T] int64: the cache slot each new token's k/v is written to.
+    slot_mapping: torch.Tensor
+    # [B + 1] int64: tokens of sequence s are [query_start_loc[s], query_start_loc[s+1]).
+    query_start_loc: torch.Tensor
+    # [B] int64: tokens of each sequence with KV once this step is done.
+    seq_lens: torch.Tensor
+    # [B, max_blocks] int64: block ids per sequence, padded with 0 (never read
+    # past seq_lens).
+    block_tables: torch.Tensor
+    # The first `num_decodes` sequences have exactly one new token.
+    num_decodes: int
+    block_size: int
+    # Python copies of the per-sequence numbers (host side, for loops over the
+    # few prefill sequences without device syncs).
+    query_lens_list: list[int]
+    seq_lens_list: list[int]
+    # Backend-specific tensors derived once per step by `AttentionBackend.prepare`.
+    backend_state: dict = field(default_factory=dict)
+
+
+class AttentionBackend(ABC):
+    """Computes attention for a flattened batch against a paged KV cache."""
+
+    name: str
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Called once per step before the layers run; may fill meta.backend_state."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] (new tokens, rotary applied);
+        k_cache/v_cache [num_blocks, block_size, Hkv, D], updated in place.
+        Returns [T, Hq, D]."""
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Stores the new tokens' k/v at their slots (flat index block * block_size + offset)."""
+    heads, dim = k_cache.shape[-2:]
+    k_cache.view(-1, heads, dim).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, heads, dim).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
+    """[B, nb] block tables -> the first `length` tokens' entries, [B, Hkv, length, D]."""
+    b, nb = block_tables.shape
+    _, bs, heads, dim = cache.shape
+    return cache[block_tables].view(b, nb * bs, heads, dim)[:, :length].transpose(1, 2)
+
+
+class TorchAttention(AttentionBackend):
+    """Plain torch (SDPA) attention; the CPU backend and the reference for kernels.
+
+    Decodes: all in one padded SDPA call. The Hq query heads of a token are
+    regrouped as [Hkv, G] (G = Hq / Hkv) so each key head serves its G query
+    heads as G query rows, with no copy of the keys:
+
+        q [B, Hq, D] -> [B, Hkv, G, D]   k [B, Hkv, S, D]   mask [B, 1, 1, S]
+
+    Prefill chunks: one SDPA call per sequence (a step holds few of them);
+    causal over the fresh k/v when nothing is cached, otherwise against the
+    gathered cache with an explicit mask (query i sees keys <= cached + i).
+    """
+
+    name = "torch"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        nd = meta.num_decodes
+        state = meta.backend_state
+        if nd:
+            lens = meta.seq_lens[:nd]
+            max_len = max(meta.seq_lens_list[:nd])
+            nb = -(-max_len // meta.block_size)
+            state["decode_tables"] = meta.block_tables[:nd, :nb]
+            state["decode_len"] = max_len
+            keys = torch.arange(max_len, device=lens.device)
+            state["decode_mask"] = (keys < lens.unsqueeze(1)).view(nd, 1, 1, max_len)
+        prefills = []
+        start = nd
+        for s in range(nd, len(meta.query_lens_list)):
+            q_len, seq_len = meta.query_lens_list[s], meta.seq_lens_list[s]
+            cached = seq_len - q_len
+            if cached == 0:
+                prefills.append((start, q_len, seq_len, None, None))
+                start += q_len
+                continue
+            nb = -(-seq_len // meta.block_size)
+            rows = torch.arange(q_len, device=meta.seq_lens.device).unsqueeze(1) + cached
+            mask = torch.arange(seq_len, device=rows.device).unsqueeze(0) <= rows
+            prefills.append((start, q_len, seq_len, meta.block_tables[s : s + 1, :nb], mask))
+            start += q_len
+        state["prefills"] = prefills
+
+    def forward(self, q, k, v, k_cache, v_cache, meta):
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        state = meta.backend_state
+        num_q_heads, dim = q.shape[1], q.shape[2]
+        num_kv_heads = k.shape[1]
+        group = num_q_heads // num_kv_heads
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            tables, length = state["decode_tables"], state["decode_len"]
+            keys = gather_kv(k_cache, tables, length).to(q.dtype)
+            values = gather_kv(v_cache, tables, length).to(q.dtype)
+            queries = q[:nd].view(nd, num_kv_heads, group, dim)
+            o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=state["decode_mask"])
+            out[:nd] = o.reshape(nd, num_q_heads, dim)
+        for start, q_len, seq_len, tables, mask in state["prefills"]:
+            end = start + q_len
+            queries = q[start:end].transpose(0, 1)
+            if tables is None:
+                keys, values = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
+                o = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=group > 1)
+            else:
+                keys = gather_kv(k_cache, tables, seq_len)[0].to(q.dtype)
+                values = gather_kv(v_cache, tables, seq_len)[0].to(q.dtype)
+                o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=group > 1)
+            out[start:end] = o.transpose(0, 1)
+        return out
+
+
+def get_backend(device: torch.device) -> AttentionBackend:
+    """The attention backend for a device (torch everywhere until kernels land)."""
+    return TorchAttention()

@@ -1,0 +1,63 @@
+"""Vocab-parallel token embedding and LM head.
+
+The vocabulary is padded to a multiple of the world size and split into equal
+row ranges; rank r owns token ids [r * part, (r + 1) * part):
+
+    ids:   0 ........ part-1 | part ...... 2*part-1 | ...   (padding rows are zero)
+    rank:        0           |          1           | ...
+
+Embedding: each rank looks up the ids it owns (others give zeros) and an
+all-reduce sums the rows. LM head: each rank computes the logits of its ids
+and an all-gather concatenates them; the padding columns are dropped.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from sluice_server.distributed import Distributed
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, dist: Distributed):
+        super().__init__()
+        self.dist = dist
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        part = -(-vocab_size // dist.world_size)
+        self.start = dist.rank * part
+        self.end = self.start + part
+        self.weight = nn.Parameter(torch.zeros(part, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self._load
+
+    def _load(self, param: nn.Parameter, checkpoint, shard_id: int = 0) -> None:
+        shape = tuple(checkpoint.get_shape())
+        if shape != (self.vocab_size, self.hidden_size):
+            raise ValueError(f"embedding: checkpoint shape {shape} != {(self.vocab_size, self.hidden_size)}")
+        end = min(self.end, self.vocab_size)
+        param.data.zero_()
+        if end > self.start:
+            param.data[: end - self.start].copy_(checkpoint[self.start : end])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.dist.is_parallel:
+            return F.embedding(ids, self.weight)
+        owned = (ids >= self.start) & (ids < self.end)
+        local = torch.where(owned, ids - self.start, torch.zeros_like(ids))
+        x = F.embedding(local, self.weight) * owned.unsqueeze(-1).to(self.weight.dtype)
+        return self.dist.all_reduce(x)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Hidden states -> logits over the full vocabulary, float32.
+
+    With tied embeddings the model points `weight` at the embedding's weight
+    (same vocab split), and the checkpoint has no separate lm_head tensor.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, self.weight)
+        logits = self.dist.all_gather_last_dim(logits)
+        return logits[..., : self.vocab_size].float()

@@ -1,0 +1,103 @@
+"""Tensor-parallel linear layers (Megatron style).
+
+A column-parallel layer splits its *output* features over the ranks; a
+row-parallel layer splits its *input* features and sums the partial results.
+Attention and MLP blocks use one of each, so a block needs a single
+all-reduce:
+
+    x ──► ColumnParallel (local heads / local intermediate) ──► ... ──► RowParallel ──► all_reduce
+
+Each parameter carries a `weight_loader(param, checkpoint_slice, shard_id)`
+that copies just this rank's part out of a safetensors slice (`get_slice`),
+so a rank never reads the whole tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from sluice_server.distributed import Distributed, shard_range
+
+
+def _check_shape(name: str, got, want) -> None:
+    if tuple(got) != tuple(want):
+        raise ValueError(f"{name}: checkpoint shape {tuple(got)} != expected {tuple(want)}")
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's rows split over ranks.
+
+    `output_sizes` lists the (full, unsharded) sizes of the matrices fused into
+    this layer, e.g. [q, k, v] or [gate, up]. Each is split separately, so the
+    local weight is the concatenation of every piece's local rows:
+
+        local rows: [ q[rank] | k[rank] | v[rank] ]
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, dist: Distributed):
+        super().__init__()
+        self.dist = dist
+        self.input_size = input_size
+        self.output_sizes = list(output_sizes)
+        self.local_sizes = [s // dist.world_size for s in output_sizes]
+        for s in output_sizes:
+            shard_range(s, dist)  # raises when a piece does not split evenly
+        local_out = sum(self.local_sizes)
+        self.weight = nn.Parameter(torch.empty(local_out, input_size), requires_grad=False)
+        self.weight.weight_loader = self._load
+        self.weight.num_pieces = len(output_sizes)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(local_out), requires_grad=False)
+            self.bias.weight_loader = self._load
+            self.bias.num_pieces = len(output_sizes)
+        else:
+            self.bias = None
+
+    def _load(self, param: nn.Parameter, checkpoint, shard_id: int) -> None:
+        full = self.output_sizes[shard_id]
+        want = (full, self.input_size) if param.dim() == 2 else (full,)
+        _check_shape("column-parallel weight", checkpoint.get_shape(), want)
+        start, end = shard_range(full, self.dist)
+        offset = sum(self.local_sizes[:shard_id])
+        param.data[offset : offset + end - start].copy_(checkpoint[start:end])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_local W_local^T) + b with W's columns split over ranks.
+
+    The input is expected already split (the output of a column-parallel
+    layer). The bias is added once, after the reduction.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, dist: Distributed):
+        super().__init__()
+        self.dist = dist
+        self.input_size = input_size
+        self.output_size = output_size
+        self.start, self.end = shard_range(input_size, dist)
+        self.weight = nn.Parameter(torch.empty(output_size, self.end - self.start), requires_grad=False)
+        self.weight.weight_loader = self._load_weight
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self._load_bias
+        else:
+            self.bias = None
+
+    def _load_weight(self, param: nn.Parameter, checkpoint, shard_id: int = 0) -> None:
+        _check_shape("row-parallel weight", checkpoint.get_shape(), (self.output_size, self.input_size))
+        param.data.copy_(checkpoint[:, self.start : self.end])
+
+    def _load_bias(self, param: nn.Parameter, checkpoint, shard_id: int = 0) -> None:
+        _check_shape("row-parallel bias", checkpoint.get_shape(), (self.output_size,))
+        param.data.copy_(checkpoint[:])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.dist.all_reduce(F.linear(x, self.weight))
+        if self.bias is not None:
+            y = y + self.bias
+        return y

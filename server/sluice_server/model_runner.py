@@ -1,0 +1,209 @@
+"""Runs the model over a step's batch; owns the weights, the KV cache and warmup."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sluice_server.batch import Batch, RequestState, Work, build_batch
+from sluice_server.distributed import SINGLE, Distributed
+from sluice_server.kv_cache import KVCache
+from sluice_server.layers.attention import get_backend
+from sluice_server.models import build_model, load_weights
+from sluice_server.pb import shard_pb2
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Without --kv-cache-bytes, a CPU shard gives the KV cache this fraction of
+# MemAvailable at warmup: the rest stays for activations, the router, the OS
+# and other shards on the same host.
+CPU_KV_FRACTION = 0.30
+# On CUDA, the share of the memory free after the warmup peak left unused
+# (allocator fragmentation, NCCL buffers, sampling temporaries).
+CUDA_KV_MARGIN = 0.10
+
+
+class KVBudgetError(RuntimeError):
+    """The KV cache cannot hold even one request of max_total_tokens."""
+
+
+def choose_dtype(requested: str, device: torch.device, config: dict) -> torch.dtype:
+    """`auto`: float32 on CPU, the checkpoint's half type (or bfloat16) on CUDA.
+
+    On CPU we keep float32: measured on the 2-core development machine, a
+    bf16 matmul of SmolLM2's shapes was 2x (32 rows) to 9x (1 row) slower than
+    float32, and float32 is what the numerics tests compare against.
+    """
+    if requested != "auto":
+        if requested not in DTYPES:
+            raise ValueError(f"dtype {requested!r} is not one of auto, {', '.join(DTYPES)}")
+        return DTYPES[requested]
+    if device.type == "cpu":
+        return torch.float32
+    stored = config.get("torch_dtype") or config.get("dtype")
+    return DTYPES[stored] if stored in ("bfloat16", "float16") else torch.bfloat16
+
+
+def eos_token_ids(folder: Path, config: dict) -> list[int]:
+    """EOS ids from generation_config.json, else config.json (int or list)."""
+    for source in (folder / "generation_config.json", None):
+        data = json.loads(source.read_text()) if source is not None and source.is_file() else config
+        eos = data.get("eos_token_id")
+        if eos is not None:
+            return [eos] if isinstance(eos, int) else [int(e) for e in eos]
+    return []
+
+
+def available_ram_bytes() -> int:
+    """MemAvailable from /proc/meminfo (psutil is not a dependency)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("MemAvailable not found in /proc/meminfo")
+
+
+@dataclass
+class WarmupResult:
+    num_blocks: int
+    kv_cache_bytes: int
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_dir: Path | str,
+        *,
+        dtype: str = "auto",
+        device: str = "cpu",
+        block_size: int = 16,
+        dist: Distributed = SINGLE,
+    ):
+        self.model_dir = Path(model_dir)
+        config_path = self.model_dir / "config.json"
+        if not config_path.is_file():
+            raise FileNotFoundError(f"{config_path} not found: is {self.model_dir} a model folder?")
+        self.config = json.loads(config_path.read_text())
+        self.device = torch.device(device)
+        self.dtype = choose_dtype(dtype, self.device, self.config)
+        self.block_size = block_size
+        self.dist = dist
+        self.backend = get_backend(self.device)
+        self.model = build_model(self.config, dist, self.backend, self.dtype, self.device)
+        load_weights(self.model, self.model_dir)
+        cfg = self.model.config
+        self.model_type: str = cfg.model_type
+        self.vocab_size: int = cfg.vocab_size
+        self.max_position_embeddings: int = cfg.max_position_embeddings
+        self.eos_token_ids = eos_token_ids(self.model_dir, self.config)
+        self.num_layers = cfg.num_hidden_layers
+        self.num_kv_heads = cfg.num_key_value_heads // dist.world_size
+        self.head_dim = cfg.head_dim
+        self.kv_cache: KVCache | None = None
+
+    # -- KV cache -----------------------------------------------------------
+
+    def bytes_per_block(self) -> int:
+        return KVCache.bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+
+    def allocate_kv_cache(self, num_blocks: int) -> KVCache:
+        self.kv_cache = None  # free the old one first
+        self.kv_cache = KVCache(
+            self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device
+        )
+        return self.kv_cache
+
+    # -- forward ------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, batch: Batch, kv_cache: KVCache | None = None) -> torch.Tensor:
+        """Runs the batch, writing its KV into the cache; returns the logits of
+        batch.logits_indices, [N, vocab] float32 (on CPU)."""
+        cache = kv_cache or self.kv_cache
+        if cache is None:
+            raise RuntimeError("KV cache not allocated: call warmup first")
+        self.backend.prepare(batch.attn)
+        hidden = self.model(batch.input_ids, batch.positions, cache.layers, batch.attn)
+        if batch.logits_indices.numel() == 0:
+            return torch.empty(0, self.vocab_size)
+        return self.model.compute_logits(hidden[batch.logits_indices]).cpu()
+
+    def build_batch(self, work: list[Work]) -> Batch:
+        return build_batch(work, self.block_size, self.device)
+
+    # -- warmup -------------------------------------------------------------
+
+    def warmup(
+        self, max_batch_prefill_tokens: int, max_batch_size: int, max_total_tokens: int, kv_cache_bytes: int | None
+    ) -> WarmupResult:
+        """Runs the largest step the router may send, then sizes the KV cache.
+
+        The dummy step prefills max_batch_prefill_tokens tokens, split into
+        sequences of at most max_total_tokens, with logits for every token (the
+        prompt_logprobs worst case), in a temporary cache just big enough.
+        """
+        if min(max_batch_prefill_tokens, max_batch_size, max_total_tokens) == 0:
+            raise ValueError("warmup limits must all be > 0")
+        self.kv_cache = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        self._dummy_step(max_batch_prefill_tokens, max_total_tokens)
+        per_block = self.bytes_per_block()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
+            torch.cuda.empty_cache()
+            free, _ = torch.cuda.mem_get_info()
+            budget = int(free * (1 - CUDA_KV_MARGIN)) - peak
+        elif kv_cache_bytes:
+            budget = kv_cache_bytes
+        else:
+            budget = int(available_ram_bytes() * CPU_KV_FRACTION)
+        num_blocks = max(budget, 0) // per_block
+        needed = -(-max_total_tokens // self.block_size)
+        if num_blocks < needed:
+            raise KVBudgetError(
+                f"KV cache budget of {budget} bytes gives {num_blocks} blocks, but one request of "
+                f"max_total_tokens={max_total_tokens} needs {needed}"
+            )
+        cache = self.allocate_kv_cache(num_blocks)
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size, cache.nbytes / 2**20)
+        return WarmupResult(num_blocks=num_blocks, kv_cache_bytes=cache.nbytes)
+
+    def forward_probe(self) -> None:
+        """One token through the whole model in a one-block scratch cache."""
+        state = RequestState(
+            id=0, token_ids=[0], num_prompt_tokens=1, num_computed_tokens=0,
+            block_ids=[0], params=shard_pb2.SamplingParams(),
+        )
+        scratch = KVCache(self.num_layers, 1, self.block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device)
+        logits = self.execute(self.build_batch([Work(state, 0, 1, [0])]), scratch)
+        if not torch.isfinite(logits).all():
+            raise RuntimeError("health probe: the model produced non-finite logits")
+
+    def _dummy_step(self, num_tokens: int, max_seq_len: int) -> None:
+        work: list[Work] = []
+        next_block = 0
+        remaining = num_tokens
+        while remaining > 0:
+            n = min(remaining, max_seq_len)
+            blocks = list(range(next_block, next_block + -(-n // self.block_size)))
+            next_block += len(blocks)
+            state = RequestState(
+                id=len(work), token_ids=[0] * n, num_prompt_tokens=n, num_computed_tokens=0,
+                block_ids=blocks, params=shard_pb2.SamplingParams(), prompt_logprobs=[],
+            )
+            work.append(Work(state, 0, n, blocks))
+            remaining -= n
+        scratch = KVCache(
+            self.num_layers, next_block, self.block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device
+        )
+        self.execute(self.build_batch(work), scratch)

@@ -1,0 +1,211 @@
+"""The gRPC Shard service.
+
+`Shard` is the shard's state machine, synchronous and free of gRPC: the table
+of held requests (`RequestState` by id) plus the model runner. A Step:
+
+    1. plan_step validates the whole request; a malformed step changes nothing.
+    2. finished_ids are dropped (unknown ids are ignored: the shard may have
+       dropped a request already, after a RequestError).
+    3. build_batch + ModelRunner.execute: one forward over all new tokens.
+    4. State commits: num_computed_tokens advances, blocks are appended,
+       prompt logprobs accumulate.
+    5. Rows that reached the end of their tokens are sampled; the token is
+       appended to the request's token_ids and returned as a Generation.
+
+`ShardServicer` is the grpc.aio wrapper: it serialises calls that touch the
+model, runs them off the event loop, and maps errors to status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+
+import grpc
+import torch
+
+from sluice_server import sampling
+from sluice_server.batch import Batch, InvalidStep, Limits, RequestState, Work, plan_step
+from sluice_server.model_runner import KVBudgetError, ModelRunner
+from sluice_server.pb import shard_pb2, shard_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class NotWarmedUp(RuntimeError):
+    """Step before Warmup: there is no KV cache yet (FAILED_PRECONDITION)."""
+
+
+class Shard:
+    def __init__(self, runner: ModelRunner, urls: list[str], kv_cache_bytes: int | None = None):
+        self.runner = runner
+        self.urls = urls
+        self.kv_cache_bytes = kv_cache_bytes
+        self.requests: dict[int, RequestState] = {}
+
+    def info(self) -> shard_pb2.InfoResponse:
+        r = self.runner
+        return shard_pb2.InfoResponse(
+            model_type=r.model_type,
+            dtype=str(r.dtype).removeprefix("torch."),
+            device_type=r.device.type,
+            world_size=r.dist.world_size,
+            rank=r.dist.rank,
+            block_size=r.block_size,
+            vocab_size=r.vocab_size,
+            eos_token_ids=r.eos_token_ids,
+            max_position_embeddings=r.max_position_embeddings,
+            attention_backend=r.backend.name,
+        )
+
+    def warmup(self, req: shard_pb2.WarmupRequest) -> shard_pb2.WarmupResponse:
+        self.requests.clear()  # the cache is reallocated: nothing held survives
+        result = self.runner.warmup(
+            req.max_batch_prefill_tokens, req.max_batch_size, req.max_total_tokens, self.kv_cache_bytes
+        )
+        return shard_pb2.WarmupResponse(num_blocks=result.num_blocks, kv_cache_bytes=result.kv_cache_bytes)
+
+    def clear(self) -> None:
+        self.requests.clear()
+
+    def health_check(self) -> None:
+        """One token through the whole model in a scratch cache; raises on failure."""
+        self.runner.forward_probe()
+
+    def step(self, req: shard_pb2.StepRequest) -> shard_pb2.StepResponse:
+        t0 = time.perf_counter()
+        cache = self.runner.kv_cache
+        if cache is None:
+            raise NotWarmedUp("Step before Warmup: the KV cache is not allocated")
+        limits = Limits(num_blocks=cache.num_blocks, block_size=cache.block_size, vocab_size=self.runner.vocab_size)
+        plan = plan_step(self.requests, req, limits)
+        for rid in req.finished_ids:
+            self.requests.pop(rid, None)
+        response = shard_pb2.StepResponse()
+        for rid, message in plan.errors:
+            response.errors.add(id=rid, message=message)
+        if not plan.work:
+            response.timings.prepare_ms = (time.perf_counter() - t0) * 1e3
+            return response
+
+        batch = self.runner.build_batch(plan.work)
+        t1 = time.perf_counter()
+        logits = self.runner.execute(batch)
+        t2 = time.perf_counter()
+
+        for state in plan.new_states:
+            self.requests[state.id] = state
+        for w in batch.work:
+            w.state.block_ids = w.block_ids
+            w.state.num_computed_tokens = w.end
+        self._record_prompt_logprobs(batch, logits)
+        self._sample(batch, logits, response)
+        t3 = time.perf_counter()
+        response.timings.prepare_ms = (t1 - t0) * 1e3
+        response.timings.forward_ms = (t2 - t1) * 1e3
+        response.timings.sampling_ms = (t3 - t2) * 1e3
+        return response
+
+    def _record_prompt_logprobs(self, batch: Batch, logits: torch.Tensor) -> None:
+        """Logits row p (position p) scores prompt token p + 1:
+
+            positions:  start ............ end-1      (this chunk)
+            scores:     token start+1 ..... token end  (kept while < num_prompt_tokens)
+        """
+        rows: list[int] = []
+        targets: list[int] = []
+        owners: list[tuple[Work, int, int]] = []
+        for w, (first, _) in zip(batch.work, batch.logits_rows):
+            if not w.wants_prompt_logprobs:
+                continue
+            last = min(w.end, w.state.num_prompt_tokens - 1)  # positions [start, last) score a prompt token
+            owners.append((w, len(rows), last - w.start))
+            rows.extend(range(first, first + last - w.start))
+            targets.extend(w.state.token_ids[w.start + 1 : last + 1])
+        if not rows:
+            return
+        values = sampling.token_logprobs(logits[rows], torch.tensor(targets)).tolist()
+        for w, offset, count in owners:
+            tokens = w.state.token_ids[w.start + 1 : w.start + 1 + count]
+            w.state.prompt_logprobs.extend(zip(tokens, values[offset : offset + count]))
+
+    def _sample(self, batch: Batch, logits: torch.Tensor, response: shard_pb2.StepResponse) -> None:
+        sampled = [(w, first + count - 1) for w, (first, count) in zip(batch.work, batch.logits_rows) if w.samples]
+        if not sampled:
+            return
+        rows = [sampling.SamplingRow(w.state.params, w.state.token_ids, w.state.num_prompt_tokens) for w, _ in sampled]
+        chosen = logits[[row for _, row in sampled]]
+        try:
+            results = sampling.sample(chosen, rows, self.runner.eos_token_ids)
+        except Exception:
+            # Find the row(s) at fault so only their requests fail.
+            log.exception("batched sampling failed; sampling rows one by one")
+            results = [self._sample_one(chosen[i : i + 1], row) for i, row in enumerate(rows)]
+        for (w, _), result in zip(sampled, results):
+            state = w.state
+            if result.error is not None:
+                response.errors.add(id=state.id, message=result.error)
+                self.requests.pop(state.id, None)
+                continue
+            state.token_ids.append(result.token_id)
+            gen = response.generations.add(id=state.id, token_id=result.token_id)
+            if state.params.logprobs or state.params.top_n_tokens:
+                gen.logprob = result.logprob
+                for token_id, logprob in result.top_tokens:
+                    gen.top_tokens.add(token_id=token_id, logprob=logprob)
+            if state.prompt_logprobs is not None:
+                for token_id, logprob in state.prompt_logprobs:
+                    gen.prompt_logprobs.add(token_id=token_id, logprob=logprob)
+                state.prompt_logprobs = None
+
+    def _sample_one(self, logits: torch.Tensor, row: sampling.SamplingRow) -> sampling.SampledToken:
+        try:
+            return sampling.sample(logits, [row], self.runner.eos_token_ids)[0]
+        except Exception as e:  # noqa: BLE001 - any failure here belongs to this request
+            return sampling.SampledToken(0, math.nan, [], error=f"sampling failed: {e}")
+
+
+class ShardServicer(shard_pb2_grpc.ShardServicer):
+    def __init__(self, shard: Shard):
+        self.shard = shard
+        # One model call at a time: steps, warmup and health probes share the cache.
+        self.lock = asyncio.Lock()
+
+    async def _run(self, context, fn, *args):
+        async with self.lock:
+            try:
+                return await asyncio.to_thread(fn, *args)
+            except InvalidStep as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except NotWarmedUp as e:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            except KVBudgetError as e:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except Exception as e:  # noqa: BLE001 - the server keeps serving
+                log.exception("%s failed", getattr(fn, "__name__", fn))
+                await context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+
+    async def Info(self, request, context):
+        return self.shard.info()
+
+    async def Health(self, request, context):
+        await self._run(context, self.shard.health_check)
+        return shard_pb2.HealthResponse()
+
+    async def ServiceDiscovery(self, request, context):
+        return shard_pb2.ServiceDiscoveryResponse(urls=self.shard.urls)
+
+    async def Warmup(self, request, context):
+        return await self._run(context, self.shard.warmup, request)
+
+    async def Step(self, request, context):
+        return await self._run(context, self.shard.step, request)
+
+    async def ClearCache(self, request, context):
+        async with self.lock:
+            self.shard.clear()
+        return shard_pb2.ClearCacheResponse()

@@ -1,0 +1,203 @@
+"""The shard as a real process: `python -m sluice_server.cli serve` on a unix
+socket, driven through the generated gRPC stubs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from sluice_server.pb import shard_pb2, shard_pb2_grpc
+
+from conftest import make_tiny_model
+
+SERVER_DIR = Path(__file__).resolve().parents[1]
+BLOCK = 4
+GREEDY = shard_pb2.SamplingParams()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("servicer-model"), "tied", seed=7)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    """(process, stub, socket path). Unix socket paths are limited to ~107
+    bytes, so the socket lives in a short temporary folder."""
+    sock_dir = tempfile.mkdtemp(prefix="sluice-")
+    uds = os.path.join(sock_dir, "shard")
+    log_path = os.path.join(sock_dir, "server.log")
+    env = dict(os.environ, PYTHONPATH=str(SERVER_DIR), RANK="0", WORLD_SIZE="1")
+    cmd = [sys.executable, "-m", "sluice_server.cli", "serve", str(model_dir), "--uds-path", uds,
+           "--kv-cache-bytes", str(64 * 2**20), "--block-size", str(BLOCK), "--num-threads", "1"]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 120
+    while "Server started at unix://" + uds + "-0" not in Path(log_path).read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("server did not start:\n" + Path(log_path).read_text())
+        time.sleep(0.1)
+    channel = grpc.insecure_channel(f"unix://{uds}-0")
+    yield proc, shard_pb2_grpc.ShardStub(channel), uds
+    channel.close()
+    if proc.poll() is None:
+        proc.kill()
+    shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    """A warmed-up shard. Before Warmup, Step must fail with FAILED_PRECONDITION."""
+    _, stub, _ = server
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Step(shard_pb2.StepRequest(new_requests=[new_request(1, [5, 6, 7], [0])]))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    warm = stub.Warmup(shard_pb2.WarmupRequest(max_batch_prefill_tokens=64, max_batch_size=8, max_total_tokens=64))
+    assert warm.num_blocks > 0 and warm.kv_cache_bytes > 0
+    stub.num_blocks = warm.num_blocks
+    return stub
+
+
+def new_request(rid, tokens, blocks, num_new=None, computed=0, params=GREEDY):
+    return shard_pb2.NewRequest(
+        id=rid, token_ids=tokens, num_prompt_tokens=len(tokens), num_computed_tokens=computed,
+        num_new_tokens=num_new if num_new is not None else len(tokens) - computed, block_ids=blocks, params=params,
+    )
+
+
+def hf_greedy(model_dir: Path, tokens: list[int], n: int) -> list[int]:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    out = model.generate(torch.tensor([tokens]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                         pad_token_id=0, min_new_tokens=n)
+    return out[0, len(tokens):].tolist()
+
+
+def code_of(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    return err.value.code()
+
+
+def test_info(server):
+    _, stub, _ = server
+    info = stub.Info(shard_pb2.InfoRequest())
+    assert (info.model_type, info.dtype, info.device_type) == ("llama", "float32", "cpu")
+    assert (info.world_size, info.rank, info.block_size, info.vocab_size) == (1, 0, BLOCK, 128)
+    assert list(info.eos_token_ids) == [2]
+    assert info.max_position_embeddings == 256 and info.attention_backend == "torch"
+
+
+def test_discovery_and_health(server):
+    _, stub, uds = server
+    assert list(stub.ServiceDiscovery(shard_pb2.ServiceDiscoveryRequest()).urls) == [f"unix://{uds}-0"]
+    stub.Health(shard_pb2.HealthRequest())
+
+
+def test_prefill_chunks_and_decodes_are_greedy(stub, model_dir):
+    a_tokens, b_tokens = [5, 9, 17, 33, 4, 81, 12], [40, 41, 42, 7, 99, 100, 3, 3, 8, 11]
+    want_a, want_b = hf_greedy(model_dir, a_tokens, 6), hf_greedy(model_dir, b_tokens, 5)
+    # Step 1: a whole, b's first chunk of 6 tokens (no token sampled for b).
+    r = stub.Step(shard_pb2.StepRequest(new_requests=[
+        new_request(1, a_tokens, [10, 3]),
+        new_request(2, b_tokens, [7, 20], num_new=6, params=shard_pb2.SamplingParams(prompt_logprobs=True)),
+    ]))
+    assert [(g.id, g.token_id) for g in r.generations] == [(1, want_a[0])]
+    # Step 2: a decodes (needs a third block for position 8), b finishes its prompt.
+    r = stub.Step(shard_pb2.StepRequest(scheduled=[
+        shard_pb2.ScheduledRequest(id=1, num_new_tokens=1, new_block_ids=[31]),
+        shard_pb2.ScheduledRequest(id=2, num_new_tokens=4, new_block_ids=[4]),
+    ]))
+    got = {g.id: g for g in r.generations}
+    assert got[1].token_id == want_a[1] and got[2].token_id == want_b[0]
+    assert [p.token_id for p in got[2].prompt_logprobs] == b_tokens[1:]
+    assert all(p.logprob < 0 for p in got[2].prompt_logprobs)
+    assert r.timings.forward_ms > 0
+    tokens = {1: want_a[:2], 2: want_b[:1]}
+    for _ in range(3):
+        r = stub.Step(shard_pb2.StepRequest(scheduled=[
+            shard_pb2.ScheduledRequest(id=1, num_new_tokens=1),
+            shard_pb2.ScheduledRequest(id=2, num_new_tokens=1, new_block_ids=[5] if len(tokens[2]) == 2 else []),
+        ]))
+        for g in r.generations:
+            tokens[g.id].append(g.token_id)
+    assert tokens[1] == want_a[:5] and tokens[2] == want_b[:4]
+    stub.Step(shard_pb2.StepRequest(finished_ids=[1, 2]))
+
+
+def test_malformed_steps_fail_and_server_keeps_serving(stub, model_dir):
+    tokens = [5, 6, 7, 8, 9]
+    want = hf_greedy(model_dir, tokens, 2)
+    r = stub.Step(shard_pb2.StepRequest(new_requests=[new_request(50, tokens, [1, 2])]))
+    assert r.generations[0].token_id == want[0]
+    bad_steps = {
+        "unknown id": shard_pb2.StepRequest(scheduled=[shard_pb2.ScheduledRequest(id=999, num_new_tokens=1)]),
+        "block out of range": shard_pb2.StepRequest(new_requests=[new_request(51, [1, 2], [stub.num_blocks])]),
+        "token out of vocab": shard_pb2.StepRequest(new_requests=[new_request(52, [1, 128], [0])]),
+        "too few blocks": shard_pb2.StepRequest(new_requests=[new_request(53, [1, 2, 3, 4, 5], [0])]),
+        "duplicate id": shard_pb2.StepRequest(new_requests=[new_request(50, [1, 2], [0])]),
+        "past the tokens": shard_pb2.StepRequest(scheduled=[shard_pb2.ScheduledRequest(id=50, num_new_tokens=2)]),
+        # Valid for 50, but the step as a whole is bad: 50 must not advance.
+        "bad with good": shard_pb2.StepRequest(
+            scheduled=[shard_pb2.ScheduledRequest(id=50, num_new_tokens=1)],
+            new_requests=[new_request(54, [1, 2], [stub.num_blocks + 5])]),
+    }
+    for name, step in bad_steps.items():
+        assert code_of(lambda: stub.Step(step)) == grpc.StatusCode.INVALID_ARGUMENT, name
+    stub.Health(shard_pb2.HealthRequest())
+    r = stub.Step(shard_pb2.StepRequest(scheduled=[shard_pb2.ScheduledRequest(id=50, num_new_tokens=1)]))
+    assert [(g.id, g.token_id) for g in r.generations] == [(50, want[1])]
+    stub.Step(shard_pb2.StepRequest(finished_ids=[50]))
+
+
+def test_bad_parameter_fails_only_its_request(stub, model_dir):
+    tokens = [12, 13, 14]
+    bad = shard_pb2.SamplingParams(logit_bias=[shard_pb2.LogitBias(token_id=500, bias=1.0)])
+    r = stub.Step(shard_pb2.StepRequest(new_requests=[
+        new_request(60, tokens, [0]), new_request(61, tokens, [1], params=bad),
+    ]))
+    assert [g.id for g in r.generations] == [60]
+    assert [e.id for e in r.errors] == [61] and "logit_bias" in r.errors[0].message
+    assert r.generations[0].token_id == hf_greedy(model_dir, tokens, 1)[0]
+    # 61 was never admitted: scheduling it is an unknown id.
+    step = shard_pb2.StepRequest(scheduled=[shard_pb2.ScheduledRequest(id=61, num_new_tokens=1)])
+    assert code_of(lambda: stub.Step(step)) == grpc.StatusCode.INVALID_ARGUMENT
+    stub.Step(shard_pb2.StepRequest(finished_ids=[60]))
+
+
+def test_cached_prefix_request(stub, model_dir):
+    """A second request whose first block holds the first's KV computes only the rest."""
+    tokens = [21, 22, 23, 24, 25, 26]
+    want = hf_greedy(model_dir, tokens, 1)[0]
+    r = stub.Step(shard_pb2.StepRequest(new_requests=[new_request(70, tokens, [8, 9])]))
+    assert r.generations[0].token_id == want
+    r = stub.Step(shard_pb2.StepRequest(finished_ids=[70], new_requests=[new_request(71, tokens, [8, 11], computed=4)]))
+    assert r.generations[0].token_id == want
+    stub.Step(shard_pb2.StepRequest(finished_ids=[71]))
+
+
+def test_clear_cache_drops_requests(stub):
+    stub.Step(shard_pb2.StepRequest(new_requests=[new_request(80, [1, 2, 3], [0])]))
+    stub.ClearCache(shard_pb2.ClearCacheRequest())
+    step = shard_pb2.StepRequest(scheduled=[shard_pb2.ScheduledRequest(id=80, num_new_tokens=1)])
+    assert code_of(lambda: stub.Step(step)) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_sigterm_exits_cleanly(server, stub):
+    """Runs last: the server stops on SIGTERM with status 0 and removes its socket."""
+    proc, _, uds = server
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    assert not os.path.exists(f"{uds}-0")
