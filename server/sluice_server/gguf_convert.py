@@ -1,0 +1,117 @@
+"""Turns a .gguf file into a normal model folder, once.
+
+transformers reads the GGUF (metadata, tokenizer, dequantized tensors; it
+also undoes llama.cpp's q/k permutation) and writes the standard layout:
+
+    <cache>/<stem>-<key>/
+        config.json               model config
+        generation_config.json    bos/eos ids
+        model.safetensors         float32 weights (faithful to the dequantized file)
+        tokenizer.json            fast tokenizer, readable by the Rust router
+        tokenizer_config.json     with "chat_template"
+        chat_template.jinja       the same template (newer transformers read this)
+
+key hashes the file's resolved path, size and mtime, so an edited or
+replaced file converts again while an unchanged one is reused. The folder
+is built under a temporary name and renamed into place: a folder that
+exists is complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from sluice_server.download import ModelResolutionError, progress, check_model_folder
+
+
+def converted_folder(gguf_path: Path, cache: Path) -> Path:
+    """Where `gguf_path` is (or will be) converted to inside `cache`."""
+    resolved = gguf_path.resolve()
+    stat = resolved.stat()
+    key = hashlib.sha256(f"{resolved}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache / f"{resolved.stem}-{key}"
+
+
+def convert_gguf(gguf_path: Path, cache: Path) -> Path:
+    """Returns the converted folder for `gguf_path`, converting on first use."""
+    out = converted_folder(gguf_path, cache)
+    if out.is_dir():
+        progress(f"using converted {gguf_path.name} in {out}")
+        return out
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = cache / f".tmp-{out.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    progress(f"converting {gguf_path} into {out} (once; takes a minute)")
+    try:
+        # transformers and tqdm may print; stdout belongs to our caller.
+        with contextlib.redirect_stdout(sys.stderr):
+            _write_folder(gguf_path.resolve(), tmp)
+        check_model_folder(tmp)
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if not out.is_dir():  # not a concurrent conversion that finished first
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    progress(f"converted {gguf_path.name}")
+    return out
+
+
+def _write_folder(gguf_path: Path, folder: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = dict(pretrained_model_name_or_path=str(gguf_path.parent), gguf_file=gguf_path.name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(**source, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(
+            **source, dtype=torch.float32, trust_remote_code=False, **_dequantize_option()
+        )
+    except (ValueError, KeyError, NotImplementedError) as error:
+        raise ModelResolutionError(f"transformers cannot read {gguf_path.name}: {error}") from None
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    _write_chat_template(folder, tokenizer.chat_template)
+    _write_generation_config(folder, model.config, tokenizer)
+
+
+def _dequantize_option() -> dict:
+    """transformers 5 keeps GGUF weights quantized (and then refuses to save
+    them) unless asked to dequantize; 4.x always dequantized and has no
+    GgufConfig."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
+
+
+def _write_chat_template(folder: Path, template: str | None) -> None:
+    # Readers differ: older transformers and most tools look in
+    # tokenizer_config.json, newer transformers in chat_template.jinja.
+    if not template:
+        return
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = template
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    (folder / "chat_template.jinja").write_text(template)
+
+
+def _write_generation_config(folder: Path, config, tokenizer) -> None:
+    # The router stops on generation_config's eos ids; make sure they exist
+    # even when the GGUF metadata gave transformers nothing to write.
+    path = folder / "generation_config.json"
+    generation = json.loads(path.read_text()) if path.is_file() else {}
+    for key, fallback in (("bos_token_id", tokenizer.bos_token_id), ("eos_token_id", tokenizer.eos_token_id)):
+        if generation.get(key) is None:
+            value = getattr(config, key, None)
+            generation[key] = value if value is not None else fallback
+    path.write_text(json.dumps(generation, indent=2) + "\n")
