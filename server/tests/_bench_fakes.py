@@ -70,6 +70,8 @@ class FakeServer:
     extra_prompt_tokens: int = 0
     tokenize: bool = True
     model: str = "fake-model"
+    port: int = 0
+    cached_tokens: int | None = None  # reported in usage.prompt_tokens_details
     received: list = field(default_factory=list)  # (perf_counter, path, body)
     finished: list = field(default_factory=list)  # (perf_counter, body)
     in_flight: int = 0
@@ -83,13 +85,14 @@ class FakeServer:
             asyncio.set_event_loop(self._loop)
             app = web.Application()
             app.router.add_get("/v1/models", self._models)
+            app.router.add_get("/ready", self._ready)
             app.router.add_post("/v1/completions", self._generate)
             app.router.add_post("/v1/chat/completions", self._generate)
             if self.tokenize:
                 app.router.add_post("/tokenize", self._tokenize)
             self._runner = web.AppRunner(app)
             self._loop.run_until_complete(self._runner.setup())
-            site = web.TCPSite(self._runner, "127.0.0.1", 0)
+            site = web.TCPSite(self._runner, "127.0.0.1", self.port)
             self._loop.run_until_complete(site.start())
             self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
             ready.set()
@@ -110,6 +113,9 @@ class FakeServer:
 
     async def _models(self, request):
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+
+    async def _ready(self, request):
+        return web.Response(text="ready")
 
     async def _tokenize(self, request):
         body = await request.json()
@@ -156,9 +162,11 @@ class FakeServer:
             choice["finish_reason"] = "length" if i == max_tokens - 1 else None
             await send({"choices": [choice]})
         if (body.get("stream_options") or {}).get("include_usage"):
-            await send({"choices": [], "usage": {"prompt_tokens": self._prompt_tokens(body),
-                                                 "completion_tokens": max_tokens,
-                                                 "total_tokens": self._prompt_tokens(body) + max_tokens}})
+            usage = {"prompt_tokens": self._prompt_tokens(body), "completion_tokens": max_tokens,
+                     "total_tokens": self._prompt_tokens(body) + max_tokens}
+            if self.cached_tokens is not None:
+                usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+            await send({"choices": [], "usage": usage})
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
