@@ -18,21 +18,24 @@ import triton.language as tl
 def _reshape_and_cache_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
-    num_heads, head_dim,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    num_tokens, num_heads, head_dim,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    token = tl.program_id(0)
-    slot = tl.load(slot_ptr + token).to(tl.int64)
-    if slot >= 0:
-        heads = tl.arange(0, BLOCK_H)[:, None]
-        dims = tl.arange(0, BLOCK_D)[None, :]
-        mask = (heads < num_heads) & (dims < head_dim)
-        # The cache is contiguous: one slot is num_heads * head_dim elements.
-        dst = slot * num_heads * head_dim + heads * head_dim + dims
-        k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
-        v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
-        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    # A tile is BLOCK_T tokens x (every head and dim of a token, flattened):
+    # column c is head c // BLOCK_D, dim c % BLOCK_D.
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_H * BLOCK_D)
+    heads = cols // BLOCK_D
+    dims = cols % BLOCK_D
+    slots = tl.load(slot_ptr + tokens, mask=tokens < num_tokens, other=-1).to(tl.int64)
+    mask = (slots >= 0)[:, None] & ((heads < num_heads) & (dims < head_dim))[None, :]
+    rows = tokens.to(tl.int64)[:, None]
+    k = tl.load(k_ptr + rows * stride_kt + (heads * stride_kh + dims)[None, :], mask=mask)
+    v = tl.load(v_ptr + rows * stride_vt + (heads * stride_vh + dims)[None, :], mask=mask)
+    # The cache is contiguous: one slot is num_heads * head_dim elements.
+    dst = slots[:, None] * (num_heads * head_dim) + (heads * head_dim + dims)[None, :]
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def _check(k, v, k_cache, v_cache, slot_mapping):
@@ -58,11 +61,14 @@ def reshape_and_cache(
     num_tokens, num_heads, head_dim = k.shape
     if num_tokens == 0:
         return
-    _reshape_and_cache_kernel[(num_tokens,)](
+    block_h, block_d = triton.next_power_of_2(num_heads), triton.next_power_of_2(head_dim)
+    # About 4K elements per program: a few tokens of a GQA model's k/v.
+    block_t = max(1, min(16, 4096 // (block_h * block_d)))
+    _reshape_and_cache_kernel[(triton.cdiv(num_tokens, block_t),)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        num_heads, head_dim,
-        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        num_tokens, num_heads, head_dim,
+        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
     )
 
 
