@@ -69,6 +69,7 @@ class FakeServer:
     fail_every: int = 0
     extra_prompt_tokens: int = 0
     tokenize: bool = True
+    tokenize_dialect: str = "tgi"  # or "vllm", "llama.cpp": which /tokenize body it accepts
     model: str = "fake-model"
     port: int = 0
     cached_tokens: int | None = None  # reported in usage.prompt_tokens_details
@@ -119,8 +120,15 @@ class FakeServer:
 
     async def _tokenize(self, request):
         body = await request.json()
-        enc = self.tokenizer.encode(body["inputs"])
-        return web.json_response([{"id": i, "text": t} for i, t in zip(enc.ids, enc.tokens)])
+        field_name = {"tgi": "inputs", "vllm": "prompt", "llama.cpp": "content"}[self.tokenize_dialect]
+        if field_name not in body:
+            return web.json_response({"error": f"missing field {field_name}"}, status=422)
+        enc = self.tokenizer.encode(body[field_name])
+        if self.tokenize_dialect == "tgi":
+            return web.json_response([{"id": i, "text": t} for i, t in zip(enc.ids, enc.tokens)])
+        if self.tokenize_dialect == "vllm":
+            return web.json_response({"count": len(enc.ids), "tokens": enc.ids, "max_model_len": 2048})
+        return web.json_response({"tokens": enc.ids})
 
     def _prompt_tokens(self, body: dict) -> int:
         if "prompt" in body:

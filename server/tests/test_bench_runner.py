@@ -184,7 +184,7 @@ def test_chat_role_chunk_is_not_the_first_token():
 def test_compare_two_servers_side_by_side(tmp_path, capsys):
     TOK.save(str(tmp_path / "tokenizer.json"))
     out_json, plots = tmp_path / "r.json", tmp_path / "plots"
-    with FakeServer(TOK, ttft=0.01, gap=0.002) as fast, FakeServer(TOK, ttft=0.05, gap=0.02) as slow:
+    with FakeServer(TOK, ttft=0.01, gap=0.002) as fast, FakeServer(TOK, ttft=0.05, gap=0.03) as slow:
         code = cli.main([
             "--compare", fast.url, slow.url, "--labels", "fast", "slow", "--tokenizer", str(tmp_path),
             "--num-prompts", "4", "--input-len", "16", "--output-len", "6", "--concurrency", "1,2",
@@ -202,7 +202,7 @@ def test_compare_two_servers_side_by_side(tmp_path, capsys):
     assert len(runs[0]["requests"]) == 4 and doc["versions"]["sluice_bench"]
     for c, (f, s) in enumerate([(runs[0], runs[2]), (runs[1], runs[3])], start=1):
         fs, ss = f["summary"], s["summary"]
-        assert ss["tpot_ms"]["median"] > 5 * fs["tpot_ms"]["median"]
+        assert ss["tpot_ms"]["median"] > 2 * fs["tpot_ms"]["median"]
         assert ss["output_throughput"] < fs["output_throughput"]
         # the printed ratio of the slow column is slow / fast
         block = text.split(f"concurrency {c} |")[-1]

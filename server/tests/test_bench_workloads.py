@@ -115,7 +115,8 @@ def test_tokenize_dialects():
         parse_tokenize_response({"what": 1})
 
 
-def test_remote_tokenizer_builds_the_same_prompts_as_the_local_one():
+@pytest.mark.parametrize("dialect", ["tgi", "vllm", "llama.cpp"])
+def test_remote_tokenizer_builds_the_same_prompts_as_the_local_one(dialect):
     tok = TOKENIZERS["metaspace+bos"]
     spec = WorkloadSpec(kind="random", num_prompts=3, input_len=50, output_len=4)
 
@@ -125,7 +126,7 @@ def test_remote_tokenizer_builds_the_same_prompts_as_the_local_one():
 
             return await build_plan(spec, RemoteTokenizer(client, url, "fake-model", {}), seed=1)
 
-    with FakeServer(tok) as server:
+    with FakeServer(tok, tokenize_dialect=dialect) as server:
         remote = asyncio.run(remote_plan(server.url))
     local = build_plan_sync(spec, LocalTokenizer(tok, "test"), seed=1)
     assert [s.turns[0].prompt for s in remote.sessions] == [s.turns[0].prompt for s in local.sessions]

@@ -111,13 +111,13 @@ class LocalTokenizer:
 
 
 class RemoteTokenizer:
-    """The server's own tokenizer through `POST /tokenize`.
+    """The server's own tokenizer through `POST /tokenize`, in whichever of the
+    dialects we know the server speaks (tried in order, the first that answers
+    200 is kept):
 
-    One body serves the three dialects we know; each server reads its own field
-    and ignores the others:
-      TGI / Sluice: {"inputs": text}            -> [{"id":..,"text":..}, ...]
-      vLLM:         {"prompt": text, "model":..} -> {"count": n, "tokens": [...]}
-      llama.cpp:    {"content": text, "add_special": true} -> {"tokens": [...]}
+      TGI / Sluice: {"inputs": text}                         -> [{"id":..,"text":..}, ...]
+      vLLM:         {"model":.., "prompt": text, ...}        -> {"count": n, "tokens": [...]}
+      llama.cpp:    {"content": text, "add_special": true}   -> {"tokens": [...]}
     """
 
     def __init__(self, client: httpx.AsyncClient, root_url: str, model: str | None, headers: dict):
@@ -125,15 +125,25 @@ class RemoteTokenizer:
         self._url = root_url.rstrip("/") + "/tokenize"
         self._model = model
         self._headers = headers
+        self._dialect: int | None = None
+
+    def _bodies(self, text: str) -> list[dict]:
+        vllm = {"prompt": text, "add_special_tokens": True}
+        if self._model:
+            vllm["model"] = self._model
+        return [{"inputs": text}, vllm, {"content": text, "add_special": True}]
 
     async def count(self, text: str) -> int:
-        body = {"inputs": text, "prompt": text, "content": text, "add_special": True, "add_special_tokens": True}
-        if self._model:
-            body["model"] = self._model
-        resp = await self._client.post(self._url, json=body, headers=self._headers)
-        if resp.status_code != 200:
-            raise ValueError(f"POST {self._url} answered {resp.status_code}: {resp.text[:200]}")
-        return parse_tokenize_response(resp.json())
+        bodies = self._bodies(text)
+        tries = [self._dialect] if self._dialect is not None else range(len(bodies))
+        answers = []
+        for i in tries:
+            resp = await self._client.post(self._url, json=bodies[i], headers=self._headers)
+            if resp.status_code == 200:
+                self._dialect = i
+                return parse_tokenize_response(resp.json())
+            answers.append(f"{resp.status_code}: {resp.text[:120]}")
+        raise ValueError(f"POST {self._url} answered {'; '.join(answers)}")
 
     def describe(self) -> str:
         return f"server:{self._url}"
