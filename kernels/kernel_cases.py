@@ -82,13 +82,11 @@ def make_batch(
         v = torch.randn(seq_len, num_kv_heads, head_dim, generator=g).to(dtype)
         keys.append(k)
         values.append(v)
-        for pos in range(seq_len):
-            slot = table[pos // block_size] * block_size + pos % block_size
-            if pos < cached:
-                k_cache.view(-1, num_kv_heads, head_dim)[slot] = k[pos]
-                v_cache.view(-1, num_kv_heads, head_dim)[slot] = v[pos]
-            else:
-                slots.append(slot)
+        pos = torch.arange(seq_len)
+        seq_slots = torch.tensor(table)[pos // block_size] * block_size + pos % block_size
+        k_cache.view(-1, num_kv_heads, head_dim)[seq_slots[:cached]] = k[:cached]
+        v_cache.view(-1, num_kv_heads, head_dim)[seq_slots[:cached]] = v[:cached]
+        slots.extend(seq_slots[cached:].tolist())
         k_new.append(k[cached:])
         v_new.append(v[cached:])
         qs.append(torch.randn(new, num_q_heads, head_dim, generator=g).to(dtype))

@@ -113,13 +113,29 @@ def test_bad_layouts_are_rejected():
 
 
 # Larger set, compiled on a GPU only (skipped without CUDA; see conftest.py).
+# Every head_dim x GQA x block size, the dtype rotating through the three (each
+# combination is a separate compilation, and compiling dominates the run).
+GPU_CASES = [
+    (head_dim, heads, block_size, [torch.bfloat16, torch.float16, torch.float32][i % 3])
+    for i, (head_dim, heads, block_size) in enumerate(
+        (d, h, b) for d in (64, 128) for h in ((32, 32), (24, 8), (32, 8), (64, 8)) for b in (16, 32)
+    )
+]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(32, 32), (24, 8), (32, 8), (64, 8)])
-@pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_gpu_large(head_dim, num_q_heads, num_kv_heads, block_size, dtype):
+@pytest.mark.parametrize("head_dim,heads,block_size,dtype", GPU_CASES, ids=str)
+def test_gpu_large(head_dim, heads, block_size, dtype):
     seqs = [(c, 1) for c in (0, 15, 100, 1000, 8191)] + [(0, 300), (777, 129), (5000, 2)]
     for splits in (None, 16):
-        batch = make_batch(seqs, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed=head_dim)
+        batch = make_batch(seqs, *heads, head_dim, block_size, dtype, seed=head_dim)
         check(batch, *run_kernel(batch, splits))
+
+
+@pytest.mark.gpu
+def test_gpu_long_decodes_few_sequences():
+    """The flash-decoding case: 2 sequences of 32K keys, splits chosen from the device."""
+    batch = make_batch([(32767, 1), (20000, 1)], 32, 8, 128, 16, torch.bfloat16, seed=1)
+    plan = plan_attention(batch.q_lens, batch.seq_lens_list, 2, 32, 8, batch.q.device)
+    assert plan.launches[0].num_splits > 1
+    check(batch, *run_kernel(batch, None))

@@ -1,0 +1,139 @@
+"""TritonAttention as a whole against TorchAttention on batches built by the
+shard's own `batch.build_batch`, and a tiny Llama run end to end on the Triton
+backend against transformers' logits."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from sluice_server import model_runner as model_runner_module
+from sluice_server.batch import RequestState, Work, build_batch
+from sluice_server.layers.attention import TorchAttention
+from sluice_server.layers.triton_attention import TritonAttention
+from sluice_server.pb import shard_pb2
+
+from .kernel_cases import TOLERANCES, device
+
+
+def state(rid: int, length: int, computed: int, block_ids: list[int]) -> RequestState:
+    return RequestState(
+        id=rid, token_ids=list(range(3, 3 + length)), num_prompt_tokens=length, num_computed_tokens=computed,
+        block_ids=block_ids, params=shard_pb2.SamplingParams(),
+    )
+
+
+def mixed_work(block_size: int, num_blocks: int, seed: int) -> list[Work]:
+    """Decodes, a fresh prompt, a chunk after earlier chunks, and a prompt over
+    a cached prefix that ends mid-block; listed out of order on purpose
+    (build_batch puts the decodes first)."""
+    free = list(range(num_blocks))
+    random.Random(seed).shuffle(free)
+    items = []
+    # (total tokens, already computed, new this step)
+    for rid, (length, computed, new) in enumerate([(13, 0, 13), (30, 29, 1), (40, 20, 11), (17, 16, 1), (14, 9, 5), (1, 0, 1)]):
+        blocks = [free.pop() for _ in range(-(-(computed + new) // block_size))]
+        items.append(Work(state(rid, length, computed, blocks), computed, new, blocks))
+    return items
+
+
+@pytest.mark.parametrize("dtype,block_size,num_splits", [
+    (torch.float32, 16, None), (torch.float32, 32, 2), (torch.bfloat16, 16, 3), (torch.float16, 32, None),
+])
+def test_triton_equals_torch_backend(dtype, block_size, num_splits):
+    num_blocks, num_q_heads, num_kv_heads, head_dim = 24, 4, 2, 64
+    batch = build_batch(mixed_work(block_size, num_blocks, seed=block_size), block_size, device())
+    meta = batch.attn
+    assert meta.num_decodes == 3
+    tokens = batch.input_ids.numel()
+    g = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(dtype).to(device())  # noqa: E731
+    # Caches start random: the cached prefixes' keys are whatever the blocks hold.
+    k_cache, v_cache = rand(num_blocks, block_size, num_kv_heads, head_dim), rand(num_blocks, block_size, num_kv_heads, head_dim)
+    q, k, v = rand(tokens, num_q_heads, head_dim), rand(tokens, num_kv_heads, head_dim), rand(tokens, num_kv_heads, head_dim)
+
+    outs, caches = [], []
+    for backend in (TorchAttention(), TritonAttention(num_splits=num_splits)):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        backend.prepare(meta)
+        outs.append(backend.forward(q, k, v, kc, vc, meta))
+        caches.append((kc, vc))
+        meta.backend_state = {}
+    torch.testing.assert_close(outs[1], outs[0], **TOLERANCES[dtype])
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
+def test_plan_is_built_once_per_step():
+    backend = TritonAttention()
+    batch = build_batch(mixed_work(16, 24, seed=1), 16, device())
+    backend.prepare(batch.attn)
+    first = backend._plan(batch.attn, 4, 2, device())
+    assert backend._plan(batch.attn, 4, 2, device()) is first
+    backend.prepare(batch.attn)
+    assert backend._plan(batch.attn, 4, 2, device()) is not first
+
+
+def test_block_size_mismatch_is_rejected():
+    batch = build_batch(mixed_work(16, 24, seed=1), 16, device())
+    cache = torch.zeros(24, 32, 2, 64, device=device())
+    t = batch.input_ids.numel()
+    with pytest.raises(ValueError, match="block size"):
+        TritonAttention().forward(torch.zeros(t, 4, 64), torch.zeros(t, 2, 64), torch.zeros(t, 2, 64), cache, cache, batch.attn)
+
+
+def tiny_llama(folder):
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        eos_token_id=2,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(folder)
+    return model
+
+
+def test_tiny_llama_end_to_end_on_triton(tmp_path, monkeypatch):
+    """Same logits as transformers for a prompt run as two chunks then
+    decodes, batched with a second request that reuses its cached prefix."""
+    model = tiny_llama(tmp_path)
+    monkeypatch.setattr(model_runner_module, "get_backend", lambda dev: TritonAttention(num_splits=2))
+    runner = model_runner_module.ModelRunner(tmp_path, dtype="float32", device=str(device()), block_size=4)
+    assert runner.backend.name == "triton"
+    runner.allocate_kv_cache(32)
+    tokens = torch.randint(3, 128, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        want = model(torch.tensor([tokens])).logits[0]
+
+    free = list(range(32))
+    random.Random(0).shuffle(free)
+    first = RequestState(1, tokens, 30, 0, [free.pop() for _ in range(8)], shard_pb2.SamplingParams())
+    # The second request shares first's 3 full blocks (12 tokens) as a cached
+    # prefix and owns the rest; it computes from token 10, mid-block.
+    second = RequestState(2, tokens[:26], 26, 10, first.block_ids[:3] + [free.pop() for _ in range(4)],
+                          shard_pb2.SamplingParams())
+    got: dict[tuple[int, int], torch.Tensor] = {}
+
+    def step(items):
+        batch = runner.build_batch([Work(s, s.num_computed_tokens, n, s.block_ids) for s, n in items])
+        batch.logits_indices = torch.arange(batch.input_ids.numel(), device=batch.input_ids.device)
+        logits = runner.execute(batch)
+        row = 0
+        for w in batch.work:
+            for i in range(w.num_new_tokens):
+                got[(w.state.id, w.start + i)] = logits[row]
+                row += 1
+            w.state.num_computed_tokens = w.end
+
+    step([(first, 14)])
+    step([(first, 13)])
+    step([(first, 1), (second, 15)])  # a decode, and a chunk over a cached prefix
+    step([(first, 1), (second, 1)])
+    step([(first, 1)])
+    for rid, start, end in ((1, 0, 30), (2, 10, 26)):
+        rows = torch.stack([got[(rid, p)] for p in range(start, end)])
+        torch.testing.assert_close(rows, want[start:end].float(), atol=1e-4, rtol=0)
