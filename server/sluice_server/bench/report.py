@@ -12,6 +12,7 @@ from .runner import RunResult
 
 LATENCIES = (("ttft_ms", "Time to first token (ms)"), ("tpot_ms", "Time per output token, excl. 1st (ms)"),
              ("itl_ms", "Inter-token latency (ms)"), ("e2el_ms", "End-to-end latency (ms)"))
+# (the TPOT title is the longest and sets the column width of 40)
 
 
 def load_text(load: dict) -> str:
@@ -58,10 +59,10 @@ def result_table(r: RunResult) -> str:
     if m["checked"]:
         verdict = "all as planned" if not m["mismatched"] else f"{m['mismatched']} MISMATCHED, e.g. {m['examples'][:2]}"
         lines.append(f"{'Prompt lengths (usage.prompt_tokens):':<{w}}{m['checked']} checked, {verdict}")
-    lines.append(f"{'':<{w - 16}}{'mean':>10}{'median':>10}{'p90':>10}{'p99':>10}")
+    lines.append(f"{'':<40}{'mean':>9}{'median':>9}{'p90':>9}{'p99':>9}")
     for key, title in LATENCIES:
         st = s[key]
-        lines.append(f"{title:<{w - 16}}" + "".join(f"{_num(st[p]):>10}" for p in ("mean", "median", "p90", "p99")))
+        lines.append(f"{title:<40}" + "".join(f"{_num(st[p]):>9}" for p in ("mean", "median", "p90", "p99")))
     for err, n in s["errors"].items():
         lines.append(f"  failed x{n}: {err}")
     lines.append("=" * 64)
@@ -84,6 +85,8 @@ COMPARE_ROWS = [
     ("E2E p99 (ms)", lambda s: s["e2el_ms"]["p99"], True),
     ("Goodput (req/s)", lambda s: s["goodput"]["requests_per_s"] if "goodput" in s else None, True),
     ("$ / M output tokens", lambda s: s.get("dollars_per_million_output_tokens"), True),
+    ("Prompt tokens from cache", lambda s: s["cached_prompt_tokens"] or None, True),
+    ("Prompt length mismatches", lambda s: s["prompt_length_mismatches"]["mismatched"] or None, None),
 ]
 
 

@@ -395,7 +395,9 @@ def _progress_bar(cfg: BenchConfig, plan: Plan):
     from tqdm import tqdm
 
     load = f"c={cfg.concurrency}" if cfg.request_rate is None else f"rate={cfg.request_rate}/s"
-    return tqdm(total=plan.num_requests(), desc=f"{cfg.label or cfg.base_url} {load}", unit="req", leave=False)
+    # disable=None: a bar on a terminal, nothing in a log file
+    return tqdm(total=plan.num_requests(), desc=f"{cfg.label or cfg.base_url} {load}", unit="req", leave=False,
+                disable=None)
 
 
 def make_client(cfg: BenchConfig) -> httpx.AsyncClient:
