@@ -21,6 +21,7 @@ resolved folder there).
 from __future__ import annotations
 
 import fnmatch
+import importlib
 import importlib.metadata
 import os
 import re
@@ -184,11 +185,21 @@ def _hub_file_list(repo_id: str, revision: str | None, hub_cache: Path, offline:
         return HfApi().list_repo_files(repo_id, revision=revision)
     except HfHubHTTPError:
         raise
-    except Exception as error:  # network failures surface as several httpx types
+    except _network_errors() as error:
         raise ModelResolutionError(
             f"could not reach the Hugging Face Hub to list {repo_id} ({error}); "
             "set HF_HUB_OFFLINE=1 to use the local cache only"
         ) from None
+
+
+def _network_errors() -> tuple[type[BaseException], ...]:
+    # huggingface_hub 1.x talks through httpx, 2.x through its fork httpx2.
+    for name in ("httpx2", "httpx"):
+        try:
+            return (OSError, importlib.import_module(name).HTTPError)
+        except ImportError:
+            continue
+    return (OSError,)
 
 
 def progress(message: str) -> None:

