@@ -84,7 +84,15 @@ def test_timeouts_become_failed_requests():
     spec = WorkloadSpec(kind="random", num_prompts=2, input_len=8, output_len=2)
     with FakeServer(TOK, ttft=1.0) as server:
         r = run_benchmark_sync(config(server.url, spec=spec, timeout=0.2, concurrency=2))
-    assert r.summary["failed"] == 2 and r.summary["errors"] == {"timeout": 2}
+    assert r.summary["failed"] == 2 and r.summary["errors"] == {"timeout after 0.2s": 2}
+
+
+def test_the_timeout_bounds_the_whole_request_not_one_read():
+    # every gap (50 ms) is well within the timeout, the whole stream (~450 ms) is not
+    spec = WorkloadSpec(kind="random", num_prompts=1, input_len=8, output_len=10)
+    with FakeServer(TOK, ttft=0.01, gap=0.05) as server:
+        r = run_benchmark_sync(config(server.url, spec=spec, timeout=0.2))
+    assert r.summary["errors"] == {"timeout after 0.2s": 1}
 
 
 def test_an_unreachable_server_fails_cleanly(tmp_path, capsys):

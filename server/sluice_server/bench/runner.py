@@ -244,43 +244,21 @@ def token_text(event: dict) -> str | None:
     return text or None
 
 
-async def send_one(client: httpx.AsyncClient, url: str, body: dict, headers: dict, rec: RequestRecord, t0: float) -> None:
-    """Streams one request, filling `rec`. Never raises (except cancellation)."""
+async def send_one(client: httpx.AsyncClient, url: str, body: dict, headers: dict, rec: RequestRecord, t0: float,
+                   timeout: float) -> None:
+    """Streams one request, filling `rec`. `timeout` bounds the whole request,
+    not one read. Never raises (except cancellation)."""
     send = time.perf_counter()
     rec.start = send - t0
     chunk_times: list[float] = []
     pieces: list[str] = []
     try:
-        async with client.stream("POST", url, json=body, headers=headers) as resp:
-            rec.status = resp.status_code
-            if resp.status_code != 200:
-                raw = (await resp.aread()).decode(errors="replace")
-                rec.error = f"HTTP {resp.status_code}: {error_message(raw)}"
-                return
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                now = time.perf_counter()
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                event = json.loads(data)
-                if not isinstance(event, dict):
-                    raise ValueError(f"stream event is not an object: {data[:80]}")
-                if event.get("error"):
-                    rec.error = f"error in stream: {error_message(data)}"
-                    return
-                piece = token_text(event)
-                if piece is not None:
-                    chunk_times.append(now)
-                    pieces.append(piece)
-                if event.get("usage"):
-                    read_usage(event["usage"], rec)
-    except httpx.TimeoutException:
-        rec.error = "timeout"
-        return
+        await asyncio.wait_for(_stream(client, url, body, headers, rec, chunk_times, pieces), timeout)
+    except (asyncio.TimeoutError, httpx.TimeoutException):
+        rec.error = f"timeout after {timeout:g}s"
     except Exception as e:  # connection refused, reset, malformed JSON, ...
         rec.error = f"{type(e).__name__}: {e}"
+    if rec.error:
         return
     if not chunk_times:
         rec.error = "stream ended without any generated token"
@@ -290,6 +268,36 @@ async def send_one(client: httpx.AsyncClient, url: str, body: dict, headers: dic
         rec.output_tokens = len(chunk_times)
     rec.text = "".join(pieces)
     rec.ok = True
+
+
+async def _stream(client, url, body, headers, rec: RequestRecord, chunk_times: list[float], pieces: list[str]) -> None:
+    """Reads the SSE stream, appending each token-carrying chunk's arrival time
+    and text; sets rec.error for an HTTP error or an error event."""
+    async with client.stream("POST", url, json=body, headers=headers) as resp:
+        rec.status = resp.status_code
+        if resp.status_code != 200:
+            raw = (await resp.aread()).decode(errors="replace")
+            rec.error = f"HTTP {resp.status_code}: {error_message(raw)}"
+            return
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            now = time.perf_counter()
+            data = line[5:].strip()
+            if data == "[DONE]":
+                return
+            event = json.loads(data)
+            if not isinstance(event, dict):
+                raise ValueError(f"stream event is not an object: {data[:80]}")
+            if event.get("error"):
+                rec.error = f"error in stream: {error_message(data)}"
+                return
+            piece = token_text(event)
+            if piece is not None:
+                chunk_times.append(now)
+                pieces.append(piece)
+            if event.get("usage"):
+                read_usage(event["usage"], rec)
 
 
 def read_usage(usage: dict, rec: RequestRecord) -> None:
@@ -351,7 +359,7 @@ class _Driver:
                         rec.error = "skipped: an earlier turn of this conversation failed"
                     else:
                         path, body = request_body(self.cfg, self.model, turn, history)
-                        await send_one(self.client, root + path, body, headers, rec, t0)
+                        await send_one(self.client, root + path, body, headers, rec, t0, self.cfg.timeout)
                         broken = not rec.ok
                         history += [{"role": "user", "content": turn.user}, {"role": "assistant", "content": rec.text}]
                     records[idx] = rec

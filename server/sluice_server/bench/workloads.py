@@ -71,9 +71,9 @@ class TokenCounter(Protocol):
 
 
 class LocalTokenizer:
-    """A tokenizer on this machine: a `tokenizers` tokenizer.json, or a folder
-    that holds one (or, failing that, anything transformers' AutoTokenizer reads
-    from disk)."""
+    """A tokenizer on this machine: a `tokenizers` tokenizer.json, a folder that
+    holds one (or, failing that, anything transformers' AutoTokenizer reads from
+    disk), or a .gguf file (through transformers)."""
 
     def __init__(self, tokenizer, source: str):
         self._tok = tokenizer
@@ -82,6 +82,15 @@ class LocalTokenizer:
     @classmethod
     def load(cls, path: str | Path) -> "LocalTokenizer":
         path = Path(path)
+        if path.suffix == ".gguf" and path.is_file():
+            # What llama.cpp serves: the tokenizer lives in the file's metadata.
+            try:
+                from transformers import AutoTokenizer
+
+                tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+                return cls(tok.backend_tokenizer if hasattr(tok, "backend_tokenizer") else tok, str(path))
+            except Exception as e:
+                raise ValueError(f"cannot read the tokenizer of {path}: {e}") from None
         if path.is_dir() and (path / "tokenizer.json").is_file():
             path = path / "tokenizer.json"
         if path.is_file():
