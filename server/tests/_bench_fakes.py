@@ -73,6 +73,7 @@ class FakeServer:
     model: str = "fake-model"
     port: int = 0
     cached_tokens: int | None = None  # reported in usage.prompt_tokens_details
+    api_key: str | None = None  # when set, generation and /v1/models need "Bearer <key>"
     received: list = field(default_factory=list)  # (perf_counter, path, body)
     finished: list = field(default_factory=list)  # (perf_counter, body)
     in_flight: int = 0
@@ -112,7 +113,14 @@ class FakeServer:
     def generation_requests(self) -> list:
         return [r for r in self.received if r[1] != "/tokenize"]
 
+    def _unauthorized(self, request):
+        if self.api_key and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            return web.json_response({"error": {"message": "bad api key", "type": "invalid_request_error"}}, status=401)
+        return None
+
     async def _models(self, request):
+        if denied := self._unauthorized(request):
+            return denied
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
 
     async def _ready(self, request):
@@ -139,6 +147,8 @@ class FakeServer:
     async def _generate(self, request):
         body = await request.json()
         self.received.append((time.perf_counter(), request.path, body))
+        if denied := self._unauthorized(request):
+            return denied
         n = len(self.generation_requests())
         if self.fail_every and n % self.fail_every == 0:
             return web.json_response({"error": {"message": "injected failure", "type": "server_error"}}, status=500)

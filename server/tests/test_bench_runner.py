@@ -59,6 +59,14 @@ def test_no_ignore_eos_leaves_the_vendor_fields_out():
     assert all("ignore_eos" not in b and "min_tokens" not in b for b in bodies)
 
 
+def test_the_api_key_is_sent_as_a_bearer_token():
+    with FakeServer(TOK, api_key="sekrit") as server:
+        good = run_benchmark_sync(config(server.url, api_key="sekrit"))
+        bad = run_benchmark_sync(config(server.url, api_key="wrong", model="fake-model"))
+    assert good.summary["completed"] == 6
+    assert bad.summary["failed"] == 6 and bad.summary["errors"] == {"HTTP 401: bad api key": 6}
+
+
 def test_a_server_counting_prompts_differently_is_reported():
     with FakeServer(TOK, extra_prompt_tokens=1) as server:
         r = run_benchmark_sync(config(server.url))
