@@ -39,9 +39,17 @@ GOAL_THROUGHPUT = 2.0
 GOAL_TTFT = 4.0
 
 
+def default_launcher() -> str:
+    if os.environ.get("SLUICE_LAUNCHER_BIN"):
+        return os.environ["SLUICE_LAUNCHER_BIN"]
+    beside = Path(sys.executable).parent / "sluice-launcher"
+    return str(beside) if beside.exists() else "sluice-launcher"
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--launcher", default="sluice-launcher", help="launcher executable")
+    p.add_argument("--launcher", default=default_launcher(),
+                   help="launcher executable (default: $SLUICE_LAUNCHER_BIN, the one beside this Python, or PATH's)")
     p.add_argument("--launcher-arg", action="append", default=[], help="extra launcher argument (repeatable)")
     p.add_argument("--port", type=int, help="port for the launched server (default: a free one)")
     p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for GET /ready")
