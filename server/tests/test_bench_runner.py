@@ -211,7 +211,11 @@ def test_compare_two_servers_side_by_side(tmp_path, capsys):
         slow_prompts = [b["prompt"] for _, _, b in slow.generation_requests()]
     text = capsys.readouterr().out
     assert code == 0
-    assert fast_prompts == slow_prompts  # identical workload for both
+    # identical workload for both servers (at concurrency 2 two requests leave
+    # together, so only the set of that level is fixed, not the arrival order)
+    assert fast_prompts[:4] == slow_prompts[:4] and sorted(fast_prompts[4:]) == sorted(slow_prompts[4:])
+    # each sweep level has its own prompts: no prefix cache carries over
+    assert not set(fast_prompts[:4]) & set(fast_prompts[4:])
     doc = json.loads(out_json.read_text())
     runs = doc["runs"]
     assert [(r["label"], r["load"]["concurrency"]) for r in runs] == [("fast", 1), ("fast", 2), ("slow", 1), ("slow", 2)]

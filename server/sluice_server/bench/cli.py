@@ -9,6 +9,8 @@
 
 With --compare the plan (prompts, order, arrival times) is built once, with the
 first server's tokenizer or --tokenizer, and sent unchanged to every server.
+Each level of a --concurrency sweep has its own prompts, so a prefix cache
+cannot serve a level from the one before it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ from .runner import (
     server_info,
 )
 from .workloads import KINDS, WorkloadSpec
+
+
+SWEEP_SEED_STRIDE = 7919
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,26 +123,29 @@ def configs_from_args(args) -> tuple[list[BenchConfig], list[str], list[str]]:
         loads = [dict(request_rate=r, concurrency=None) for r in _levels(args.request_rate, float, "request-rate")]
     else:
         loads = [dict(concurrency=c) for c in _levels(args.concurrency, int, "concurrency")]
-    configs = [dataclasses.replace(base, **load) for load in loads]
+    # Each level of a sweep gets its own prompts (seed + i * stride): a server's
+    # prefix cache must not serve one level's prompts from the level before.
+    configs = [dataclasses.replace(base, seed=args.seed + i * SWEEP_SEED_STRIDE, **load) for i, load in enumerate(loads)]
     for c in configs:
         c.validate()
     return configs, urls, labels
 
 
 async def run_all(configs: list[BenchConfig], urls: list[str], labels: list[str], echo=print) -> list[RunResult]:
-    """Every load level against every URL, one after the other; the plan is
-    built once so all servers get identical requests."""
+    """Every load level against every URL, one after the other. Each level's
+    plan is built once, with the first server's tokenizer, so all servers get
+    identical requests."""
     results: list[RunResult] = []
-    plan = warm = None
+    plans: list[tuple] = []
     for url, label in zip(urls, labels):
         first = dataclasses.replace(configs[0], base_url=url, label=label)
         async with make_client(first) as client:
             root, headers = root_url(url), auth_headers(first.api_key)
             model = first.model or await discover_model(client, root, headers)
-            if plan is None:
-                plan, warm = await prepare(first, client, model)
+            if not plans:
+                plans = [await prepare(dataclasses.replace(c, base_url=url), client, model) for c in configs]
             info = await server_info(client, root, headers)
-            for cfg in configs:
+            for cfg, (plan, warm) in zip(configs, plans):
                 cfg = dataclasses.replace(cfg, base_url=url, label=label)
                 result = await run_plan(cfg, client, model, plan, warm)
                 result.server_info = info
