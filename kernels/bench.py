@@ -8,6 +8,8 @@ measured in the same run by copying a large tensor. Shapes are Llama-3-8B's
 attention (32 query heads, 8 KV heads, head_dim 128) and MLP (4096 / 14336).
 Baselines: the torch attention backend (gather the pages, then SDPA) and the
 kernels' plain-torch references; "speedup" is baseline time / Triton time.
+For uniform batches, "dense SDPA" also times torch's fused SDPA on K/V that is
+already contiguous (no paging, no gather): the bar a paged kernel aims at.
 Finishes in a few minutes; exits with a message when no CUDA device exists.
 """
 
@@ -28,6 +30,8 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--copy-gib", type=float, default=2.0, help="size of the copy that measures bandwidth")
+    p.add_argument("--sweep", action="store_true",
+                   help="also try attention launch settings (tile sizes, warps, stages, splits) and print the best")
     return p.parse_args(argv)
 
 
@@ -101,6 +105,7 @@ def bench_attention(name, seqs, dtype, copy_bw, rows):
     splits = [launch.num_splits for launch in plan.launches]
     row = dict(kernel="attention", case=name, triton_ms=ms, torch_ms=base_ms, speedup=base_ms / ms,
                max_abs_err=err, num_splits=splits)
+    row["sdpa_dense_ms"] = sdpa_dense_ms(meta, q, k_cache, v_cache)
     if meta.num_decodes == len(seqs):
         kv_bytes = 2 * sum(meta.seq_lens_list) * HKV * D * k_cache.element_size()
         io_bytes = kv_bytes + 2 * q.numel() * q.element_size()
@@ -116,6 +121,58 @@ def bench_attention(name, seqs, dtype, copy_bw, rows):
             flops += 4 * visible * HQ * D
         row["tflop_per_s"] = flops / (ms * 1e-3) / 1e12
     rows.append(row)
+
+
+def sdpa_dense_ms(meta, q, k_cache, v_cache) -> float | None:
+    """SDPA (flash/efficient kernels) on contiguous, un-paged K/V that is
+    already gathered: a lower bound for a paged torch path. Uniform batches only."""
+    import torch.nn.functional as F
+
+    if len(set(meta.query_lens_list)) != 1 or len(set(meta.seq_lens_list)) != 1:
+        return None
+    b, q_len, s_len = len(meta.query_lens_list), meta.query_lens_list[0], meta.seq_lens_list[0]
+    queries = q.view(b, q_len, HQ, D).transpose(1, 2).contiguous()
+    keys = torch.randn(b, HKV, s_len, D, dtype=q.dtype, device=q.device)
+    values = torch.randn_like(keys)
+    if q_len == 1:
+        return bench_ms(lambda: F.scaled_dot_product_attention(queries, keys, values, enable_gqa=True))
+    if q_len == s_len:
+        return bench_ms(lambda: F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=True))
+    return None
+
+
+def sweep_attention(dtype, rows):
+    """Launch settings per case, best first; a guide for DECODE_CONFIG/PREFILL_CONFIG."""
+    from sluice_server.kernels.paged_attention import paged_attention, plan_attention
+
+    cases = [
+        ("decode b=1 ctx=32768", [(32767, 1)], "decode"),
+        ("decode b=8 ctx=8192", [(8191, 1)] * 8, "decode"),
+        ("decode b=64 ctx=2048", [(2047, 1)] * 64, "decode"),
+        ("prefill 4 x 2048 fresh", [(0, 2048)] * 4, "prefill"),
+    ]
+    for name, seqs, kind in cases:
+        meta, q, _, _, k_cache, v_cache = paged_batch(seqs, dtype)
+        args = (q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables)
+        results = []
+        for block_n in (32, 64, 128) if kind == "decode" else (64, 128):
+            for warps in (2, 4) if kind == "decode" else (4, 8):
+                for stages in (2, 3):
+                    cfg = dict(block_n=block_n, num_warps=warps, num_stages=stages)
+                    variants = [dict(decode_config=cfg)] if kind == "decode" else [
+                        dict(prefill_config=cfg, prefill_block_m=m) for m in (64, 128)]
+                    if kind == "decode" and len(seqs) == 1:
+                        variants = [dict(decode_config=cfg, num_splits=n) for n in (32, 64)]
+                    for v in variants:
+                        try:
+                            plan = plan_attention(meta.query_lens_list, meta.seq_lens_list, meta.num_decodes,
+                                                  HQ, HKV, q.device, **v)
+                            results.append((bench_ms(lambda: paged_attention(*args, plan)), v))
+                        except Exception as e:  # e.g. out of shared memory for big tiles
+                            results.append((float("inf"), dict(v, error=type(e).__name__)))
+        results.sort(key=lambda r: r[0])
+        print(f"sweep {name}: " + "; ".join(f"{ms:.3f} ms {v}" for ms, v in results[:4]))
+        rows.append(dict(kernel="sweep", case=name, best=[dict(ms=ms, **v) for ms, v in results[:4]]))
 
 
 def bench_small_ops(dtype, rows):
@@ -158,6 +215,8 @@ def print_table(rows, copy_bw):
     print(head)
     print("-" * len(head))
     for row in rows:
+        if row["kernel"] == "sweep":
+            continue
         extra = []
         if "frac_of_copy_bw" in row:
             extra.append(f"{row['gb_per_s']:.0f} GB/s = {row['frac_of_copy_bw']:.0%} of copy")
@@ -169,6 +228,8 @@ def print_table(rows, copy_bw):
             extra.append(f"splits {row['num_splits']}")
         if "no_split_ms" in row:
             extra.append(f"unsplit {row['no_split_ms']:.3f} ms")
+        if row.get("sdpa_dense_ms"):
+            extra.append(f"dense SDPA {row['sdpa_dense_ms']:.3f} ms")
         if "max_abs_err" in row:
             extra.append(f"err {row['max_abs_err']:.1e}")
         print(f"{row['kernel']:<24} {row['case']:<28} {row['triton_ms']:>10.3f} {row['torch_ms']:>10.3f} "
@@ -203,6 +264,8 @@ def main(argv=None) -> int:
         bench_attention(name, seqs, dtype, copy_bw, rows)
     bench_small_ops(dtype, rows)
     print_table(rows, copy_bw)
+    if args.sweep:
+        sweep_attention(dtype, rows)
     if args.out:
         args.out.write_text(json.dumps(dict(
             device=torch.cuda.get_device_name(), dtype=args.dtype, copy_bandwidth_bytes_per_s=copy_bw, rows=rows,

@@ -41,13 +41,16 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+# Decode launch settings (see TileLaunch).
+DECODE_CONFIG = dict(block_n=64, num_warps=4, num_stages=3)
+PREFILL_CONFIG = dict(block_n=64, num_warps=4, num_stages=3)
 
 
 @triton.jit
@@ -185,6 +188,11 @@ class TileLaunch:
     # Query rows covered by this launch are [0, num_rows) when split (decodes
     # come first in the batch), which sizes the partial buffers.
     num_rows: int
+    # Keys per loop iteration and the compiler's launch settings (tuned on an
+    # H200 with kernels/bench.py --sweep).
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
 
 
 @dataclass
@@ -216,10 +224,13 @@ def plan_attention(
     device: torch.device,
     num_splits: int | None = None,
     prefill_block_m: int = 64,
+    decode_config: dict | None = None,
+    prefill_config: dict | None = None,
 ) -> AttentionPlan:
     """Tiles for a batch ordered decodes first. Decodes get one tile each and
     split-KV (`num_splits`, or chosen from the device when None); prefill
-    chunks are cut into tiles of BLOCK_Q = prefill_block_m // G_PAD tokens."""
+    chunks are cut into tiles of BLOCK_Q = prefill_block_m // G_PAD tokens.
+    `decode_config`/`prefill_config` override the launches' block_n/num_warps/num_stages."""
     if num_q_heads % num_kv_heads:
         raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     if len(query_lens) != len(seq_lens) or not 0 <= num_decodes <= len(query_lens):
@@ -233,12 +244,15 @@ def plan_attention(
             num_splits = choose_num_splits(num_decodes, num_kv_heads, max(seq_lens[:num_decodes]), num_sms)
         tiles = [(s, 0) for s in range(num_decodes)]
         # tl.dot needs at least 16 rows on GPUs.
-        launches.append(TileLaunch(_tile_tensor(tiles, device), 1, max(16, group_pad), num_splits, num_decodes))
+        launch = TileLaunch(_tile_tensor(tiles, device), 1, max(16, group_pad), num_splits, num_decodes,
+                            **DECODE_CONFIG)
+        launches.append(replace(launch, **(decode_config or {})))
     if num_decodes < len(query_lens):
         block_m = max(prefill_block_m, 16, group_pad)
         block_q = block_m // group_pad
         tiles = [(s, first) for s in range(num_decodes, len(query_lens)) for first in range(0, query_lens[s], block_q)]
-        launches.append(TileLaunch(_tile_tensor(tiles, device), block_q, block_m, 1, 0))
+        launch = TileLaunch(_tile_tensor(tiles, device), block_q, block_m, 1, 0, **PREFILL_CONFIG)
+        launches.append(replace(launch, **(prefill_config or {})))
     return AttentionPlan(launches, group, group_pad)
 
 
@@ -312,8 +326,9 @@ def paged_attention(
             part_lse.stride(0), part_lse.stride(1),
             head_dim,
             GROUP=plan.group, GROUP_PAD=plan.group_pad, BLOCK_Q=launch.block_q, BLOCK_M=launch.block_m,
-            BLOCK_N=64, BLOCK_D=block_d, BLOCK_SIZE=block_size,
+            BLOCK_N=launch.block_n, BLOCK_D=block_d, BLOCK_SIZE=block_size,
             NUM_SPLITS=splits, DOT_PRECISION=precision, DOT_UPCAST=upcast,
+            num_warps=launch.num_warps, num_stages=launch.num_stages,
         )
         if splits > 1:
             _merge_kernel[(launch.num_rows, num_q_heads)](
