@@ -73,6 +73,7 @@ class FakeServer:
     model: str = "fake-model"
     port: int = 0
     cached_tokens: int | None = None  # reported in usage.prompt_tokens_details
+    truncate_after: int | None = None  # close the stream after this many tokens, without [DONE]
     api_key: str | None = None  # when set, generation and /v1/models need "Bearer <key>"
     received: list = field(default_factory=list)  # (perf_counter, path, body)
     finished: list = field(default_factory=list)  # (perf_counter, body)
@@ -179,6 +180,9 @@ class FakeServer:
             choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
             choice["finish_reason"] = "length" if i == max_tokens - 1 else None
             await send({"choices": [choice]})
+            if self.truncate_after is not None and i + 1 == self.truncate_after:
+                await resp.write_eof()
+                return resp
         if (body.get("stream_options") or {}).get("include_usage"):
             usage = {"prompt_tokens": self._prompt_tokens(body), "completion_tokens": max_tokens,
                      "total_tokens": self._prompt_tokens(body) + max_tokens}

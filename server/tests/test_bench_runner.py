@@ -88,6 +88,12 @@ def test_failures_are_counted_not_fatal():
     assert s["goodput"]["good_requests"] == 6
 
 
+def test_a_stream_cut_short_is_a_failure():
+    with FakeServer(TOK, truncate_after=2) as server:
+        r = run_benchmark_sync(config(server.url))
+    assert r.summary["failed"] == 6 and r.summary["errors"] == {"stream ended before [DONE]": 6}
+
+
 def test_timeouts_become_failed_requests():
     spec = WorkloadSpec(kind="random", num_prompts=2, input_len=8, output_len=2)
     with FakeServer(TOK, ttft=1.0) as server:

@@ -298,6 +298,8 @@ async def _stream(client, url, body, headers, rec: RequestRecord, chunk_times: l
                 pieces.append(piece)
             if event.get("usage"):
                 read_usage(event["usage"], rec)
+    # Every OpenAI-compatible server ends a complete stream with [DONE].
+    rec.error = "stream ended before [DONE]"
 
 
 def read_usage(usage: dict, rec: RequestRecord) -> None:
