@@ -130,7 +130,7 @@ class FakeServer:
     async def _tokenize(self, request):
         body = await request.json()
         field_name = {"tgi": "inputs", "vllm": "prompt", "llama.cpp": "content"}[self.tokenize_dialect]
-        if field_name not in body:
+        if not body.get(field_name):  # absent or empty, refused as Sluice and TGI do
             return web.json_response({"error": f"missing field {field_name}"}, status=422)
         enc = self.tokenizer.encode(body[field_name])
         if self.tokenize_dialect == "tgi":

@@ -135,6 +135,7 @@ class RemoteTokenizer:
         self._model = model
         self._headers = headers
         self._dialect: int | None = None
+        self._empty: int | None = None
 
     def _bodies(self, text: str) -> list[dict]:
         vllm = {"prompt": text, "add_special_tokens": True}
@@ -143,6 +144,20 @@ class RemoteTokenizer:
         return [{"inputs": text}, vllm, {"content": text, "add_special": True}]
 
     async def count(self, text: str) -> int:
+        if not text:
+            return await self._count_empty()
+        return await self._count(text)
+
+    async def _count_empty(self) -> int:
+        """Tokens of an empty prompt (the special tokens alone). Servers refuse
+        to tokenize "" (Sluice and TGI answer 422), so it is derived: a word
+        repeated is one more word, ` the` = E + w and ` the the` = E + 2w, hence
+        E = 2 * count(" the") - count(" the the")."""
+        if self._empty is None:
+            self._empty = 2 * await self._count(" the") - await self._count(" the the")
+        return self._empty
+
+    async def _count(self, text: str) -> int:
         bodies = self._bodies(text)
         tries = [self._dialect] if self._dialect is not None else range(len(bodies))
         answers = []
