@@ -143,17 +143,20 @@ def test_poisson_arrivals_have_the_requested_mean_rate():
 
 
 def test_a_seeded_poisson_run_sends_at_the_planned_times():
-    spec = WorkloadSpec(kind="random", num_prompts=8, input_len=8, output_len=2)
-    planned = poisson_arrivals(8, 20.0, seed=4)
+    spec = WorkloadSpec(kind="random", num_prompts=6, input_len=8, output_len=2)
+    planned = poisson_arrivals(6, 5.0, seed=4)
 
     def starts():
         with FakeServer(TOK) as server:
-            r = run_benchmark_sync(config(server.url, spec=spec, seed=4, request_rate=20.0, concurrency=None))
-        assert r.summary["completed"] == 8 and r.load == {"request_rate": 20.0, "max_concurrency": None}
+            r = run_benchmark_sync(config(server.url, spec=spec, seed=4, request_rate=5.0, concurrency=None))
+        assert r.summary["completed"] == 6 and r.load == {"request_rate": 5.0, "max_concurrency": None}
         return [rec.start for rec in r.records]
 
+    # never early; late only by the event loop's lag on a busy machine (the
+    # mean gap is 200 ms)
     for run in (starts(), starts()):
-        assert run == pytest.approx(planned, abs=0.03)
+        for start, plan in zip(run, planned):
+            assert plan - 0.002 <= start <= plan + 0.08
 
 
 def test_max_concurrency_caps_poisson_load():
