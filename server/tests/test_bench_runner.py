@@ -42,7 +42,7 @@ def test_random_run_measures_every_request():
     assert s["ttft_ms"]["min"] >= 30.0 and s["ttft_ms"]["median"] < 300.0
     # (one gap can look short when the chunk before it was delayed in transit;
     # their mean cannot)
-    assert s["itl_ms"]["mean"] >= 9.0 and s["itl_ms"]["n"] == 6 * 4
+    assert s["itl_ms"]["mean"] >= 8.0 and s["itl_ms"]["n"] == 6 * 4
     assert s["tpot_ms"]["min"] >= 9.0
     assert s["e2el_ms"]["min"] >= 30.0 + 4 * 10.0
     assert r.model == "fake-model"
