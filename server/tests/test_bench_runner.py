@@ -244,6 +244,17 @@ def test_compare_two_servers_side_by_side(tmp_path, capsys):
         assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_compare_goes_on_when_one_server_is_down(capsys):
+    with FakeServer(TOK) as up:
+        code = cli.main(["--compare", up.url, "http://127.0.0.1:9", "--labels", "up", "down", "--tokenizer", TOK_DIR,
+                         "--num-prompts", "3", "--input-len", "8", "--output-len", "2", "--no-progress"])
+    text = capsys.readouterr().out
+    assert code == 1  # a column with nothing completed is not a result
+    assert "skipping down: cannot learn the model name" in text
+    row = next(line for line in text.splitlines() if line.startswith("Completed / failed"))
+    assert row.split()[-6:] == ["3", "/", "0", "0", "/", "3"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--concurrency", "0"], "--concurrency: values must be positive"),
     (["--concurrency", "a,b"], "not a comma-separated list"),

@@ -21,7 +21,7 @@ import dataclasses
 import os
 import sys
 
-from .metrics import parse_goodput
+from .metrics import RequestRecord, parse_goodput, summarize
 from .plot import PlotUnavailable, check_plotting, plot_results
 from .report import compare_table, result_table, write_json
 from .runner import (
@@ -141,7 +141,15 @@ async def run_all(configs: list[BenchConfig], urls: list[str], labels: list[str]
         first = dataclasses.replace(configs[0], base_url=url, label=label)
         async with make_client(first) as client:
             root, headers = root_url(url), auth_headers(first.api_key)
-            model = first.model or await discover_model(client, root, headers)
+            try:
+                model = first.model or await discover_model(client, root, headers)
+            except ValueError as e:
+                if not plans and url == urls[0] and len(urls) == 1:
+                    raise
+                # One server of a comparison being down spoils only its column.
+                echo(f"sluice-bench: skipping {label}: {e}")
+                results.extend(_skipped(cfg, url, label, str(e)) for cfg in configs)
+                continue
             if not plans:
                 plans = [await prepare(dataclasses.replace(c, base_url=url), client, model) for c in configs]
             info = await server_info(client, root, headers)
@@ -152,6 +160,16 @@ async def run_all(configs: list[BenchConfig], urls: list[str], labels: list[str]
                 results.append(result)
                 echo(result_table(result))
     return results
+
+
+def _skipped(cfg: BenchConfig, url: str, label: str, error: str) -> RunResult:
+    """The result of a server that could not be benchmarked at all: every
+    request failed with `error`."""
+    n = cfg.spec.num_requests()
+    records = [RequestRecord(index=i, error=error) for i in range(n)]
+    return RunResult(label=label, base_url=url, model=cfg.model or "?", load=cfg.load(), workload=cfg.spec.describe(),
+                     summary=summarize(records, 0.0, cfg.goodput_ms, cfg.hourly_cost), records=records,
+                     warmup={"requests": 0, "failed": 0})
 
 
 def main(argv: list[str] | None = None) -> int:

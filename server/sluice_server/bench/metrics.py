@@ -139,7 +139,8 @@ def summarize(
     failed = [r for r in records if not r.ok]
     out_tokens = sum(r.output_tokens for r in done)
     in_tokens = sum(r.prompt_tokens or r.expected_prompt_tokens or 0 for r in done)
-    d = duration if duration > 0 else float("nan")
+    # A run that never got going (duration 0) has throughput 0, not NaN.
+    d = duration if duration > 0 else float("inf")
     summary = {
         "requests": len(records),
         "completed": len(done),
