@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import tempfile
 
 import pytest
@@ -266,6 +267,16 @@ def test_compare_goes_on_when_one_server_is_down(capsys):
 def test_bad_arguments_give_a_clear_error(argv, message, capsys):
     assert cli.main(argv + ["--no-progress"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_says_what_to_install_before_running(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
+    with FakeServer(TOK) as server:
+        code = cli.main(["--base-url", server.url, "--tokenizer", TOK_DIR, "--num-prompts", "2",
+                         "--plot", str(tmp_path / "charts"), "--no-progress"])
+        sent = server.generation_requests()
+    assert code == 2 and "--plot needs matplotlib: pip install matplotlib" in capsys.readouterr().err
+    assert sent == []
 
 
 def test_without_a_tokenizer_the_user_is_told_what_to_pass(capsys):
