@@ -120,29 +120,43 @@ def sample(
     if batch.plain_greedy:
         return _greedy_fast_path(logits)
 
-    processed = logits.float().clone()
-    _apply_penalties(processed, rows, batch)
-    _apply_logit_bias(processed, rows, batch)
-    _mask_eos(processed, rows, batch, eos_token_ids)
+    # The caller's tensor is read, never written: copied only when a
+    # processor edits it.
+    processed = logits.float()
+    if batch.edits_logits:
+        if processed is logits:
+            processed = processed.clone()
+        _apply_penalties(processed, rows, batch)
+        _apply_logit_bias(processed, rows, batch)
+        _mask_eos(processed, rows, batch, eos_token_ids)
 
-    # A row is broken when NaN reached it or every token got masked; it is
-    # reported alone and neutralised so it cannot disturb the batched math.
-    row_max = processed.amax(dim=-1)
+    # One pass gives the greedy choice and each row's maximum, which also
+    # flags a broken row (NaN reached it, or every token got masked). A broken
+    # row is reported alone and neutralised so it cannot disturb the rest.
+    row_max, chosen = processed.max(dim=-1)
     broken = torch.isnan(row_max) | torch.isneginf(row_max)
     broken_rows = broken.nonzero().flatten().tolist()
     if broken_rows:
+        processed = processed.clone() if processed is logits else processed
         processed[broken] = 0.0
+        row_max[broken] = 0.0
 
-    chosen = processed.argmax(dim=-1)
     if batch.sampled_rows:
-        idx = torch.tensor(batch.sampled_rows, device=processed.device)
-        chosen[idx] = _draw(processed[idx], batch)
+        idx = batch.sampled_index
+        chosen[idx] = _draw(_take_rows(processed, idx), row_max[idx].view(-1, 1), batch)
 
     results = _report(processed, chosen, batch)
     for i in broken_rows:
         reason = "NaN in logits" if torch.isnan(logits[i].float()).any() else "every token was masked"
         results[i] = SampledToken(0, math.nan, [], error=f"cannot sample: {reason}")
     return results
+
+
+def _take_rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """t[idx], without the copy when idx is every row in order."""
+    if len(idx) == len(t) and bool((idx == torch.arange(len(t), device=idx.device)).all()):
+        return t
+    return t[idx]
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
@@ -223,12 +237,13 @@ class _BatchParams:
                 if 0.0 < p.typical_p < 1.0:
                     typical_p[i] = p.typical_p
                     self.typical_rows.append(i)
-        self.plain_greedy = not (
-            self.sampled_rows or self.repetition_rows or self.freq_presence_rows
-            or self.bias_rows or self.min_tokens_rows or self.logprob_rows
+        self.edits_logits = bool(
+            self.repetition_rows or self.freq_presence_rows or self.bias_rows or self.min_tokens_rows
         )
+        self.plain_greedy = not (self.sampled_rows or self.edits_logits or self.logprob_rows)
         if self.plain_greedy:
             return
+        self.sampled_index = torch.tensor(self.sampled_rows, dtype=torch.long, device=device)
         self.uniforms = [uniform_for(rows[i].params.seed, len(rows[i].token_ids)) for i in self.sampled_rows]
         self.temperature = torch.tensor(temperature, device=device)
         self.top_k = torch.tensor(top_k, device=device)
@@ -254,43 +269,46 @@ def _flat_token_index(
     """(row, token) index pairs of the selected rows' tokens, flattened:
 
         selected = [3, 7]; rows[3].token_ids = [a b c], rows[7] = [d e]
-        -> row index [0 0 0 1 1], token ids [a b c d e]
-    (row indices count within `selected`).
+        -> row index [3 3 3 7 7], token ids [a b c d e]
     """
     ids: list[int] = []
-    counts: list[int] = []
+    row_index: list[int] = []
     for i in selected:
         row = rows[i]
         tokens = row.token_ids[row.num_prompt_tokens:] if generated_only else row.token_ids
         ids.extend(tokens)
-        counts.append(len(tokens))
-    row_index = torch.repeat_interleave(
-        torch.arange(len(selected)), torch.tensor(counts, dtype=torch.long)
-    ).to(device)
-    return row_index, torch.tensor(ids, dtype=torch.long, device=device)
+        row_index.extend([i] * len(tokens))
+    return (
+        torch.tensor(row_index, dtype=torch.long, device=device),
+        torch.tensor(ids, dtype=torch.long, device=device),
+    )
+
+
+def _per_row(rows: list[SamplingRow], name: str, row_index: torch.Tensor) -> torch.Tensor:
+    """params.<name> of each row, expanded along row_index."""
+    values = torch.tensor([getattr(row.params, name) for row in rows], device=row_index.device)
+    return values[row_index]
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], batch: _BatchParams) -> None:
-    vocab, device = batch.vocab_size, logits.device
+    # Sparse: the work is proportional to the number of tokens seen, not to
+    # the vocabulary. A token listed twice is written twice with the same
+    # value (repetition) or charged once per occurrence (frequency), as meant.
+    device = logits.device
     if batch.repetition_rows:
-        sel = torch.tensor(batch.repetition_rows, device=device)
         row_index, ids = _flat_token_index(rows, batch.repetition_rows, device, generated_only=False)
-        seen = torch.zeros(len(sel), vocab, dtype=torch.bool, device=device)
-        seen[row_index, ids] = True
-        penalty = torch.tensor(
-            [rows[i].params.repetition_penalty for i in batch.repetition_rows], device=device
-        ).view(-1, 1)
-        part = logits[sel]
-        penalized = torch.where(part < 0, part * penalty, part / penalty)
-        logits[sel] = torch.where(seen, penalized, part)
+        penalty = _per_row(rows, "repetition_penalty", row_index)
+        seen = logits[row_index, ids]
+        logits[row_index, ids] = torch.where(seen < 0, seen * penalty, seen / penalty)
     if batch.freq_presence_rows:
-        sel = torch.tensor(batch.freq_presence_rows, device=device)
         row_index, ids = _flat_token_index(rows, batch.freq_presence_rows, device, generated_only=True)
-        counts = torch.zeros(len(sel), vocab, device=device)
-        counts.index_put_((row_index, ids), torch.ones_like(ids, dtype=counts.dtype), accumulate=True)
-        freq = torch.tensor([rows[i].params.frequency_penalty for i in batch.freq_presence_rows], device=device)
-        presence = torch.tensor([rows[i].params.presence_penalty for i in batch.freq_presence_rows], device=device)
-        logits[sel] -= counts * freq.view(-1, 1) + (counts > 0).float() * presence.view(-1, 1)
+        if not len(ids):
+            return
+        logits.index_put_((row_index, ids), -_per_row(rows, "frequency_penalty", row_index), accumulate=True)
+        # Presence is charged once per distinct (row, token).
+        flat = torch.unique(row_index * batch.vocab_size + ids)
+        distinct_rows = flat // batch.vocab_size
+        logits.view(-1).index_add_(0, flat, -_per_row(rows, "presence_penalty", distinct_rows))
 
 
 def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow], batch: _BatchParams) -> None:
@@ -321,15 +339,18 @@ def _mask_eos(
     logits[sel, torch.tensor(eos, device=device).view(1, -1)] = -math.inf
 
 
-def _draw(logits: torch.Tensor, batch: _BatchParams) -> torch.Tensor:
+def _draw(logits: torch.Tensor, row_max: torch.Tensor, batch: _BatchParams) -> torch.Tensor:
     """Samples the rows batch.sampled_rows, whose processed logits are
-    `logits` [len(sampled_rows), vocab] in that order."""
+    `logits` [len(sampled_rows), vocab] in that order, with maxima row_max
+    [len(sampled_rows), 1]."""
     device = logits.device
     local = {row: k for k, row in enumerate(batch.sampled_rows)}
-    rows = torch.tensor(batch.sampled_rows, device=device)
-    scores = logits / batch.temperature[rows].view(-1, 1)
+    # (logits - max) / temperature in one pass: the row maximum becomes 0, so
+    # exp() below cannot overflow, and no warper depends on the shift.
+    inverse_temperature = 1.0 / batch.temperature[batch.sampled_index].view(-1, 1)
+    scores = torch.addcmul(-row_max * inverse_temperature, logits, inverse_temperature)
     # Each warper runs on the rows that enabled it only: a feature nobody in
-    # the batch uses costs nothing, and a sort is paid only where needed.
+    # the batch uses costs nothing.
     for subset, warp, param in (
         (batch.top_k_rows, _top_k, batch.top_k),
         (batch.top_p_rows, _top_p, batch.top_p),
@@ -338,34 +359,43 @@ def _draw(logits: torch.Tensor, batch: _BatchParams) -> torch.Tensor:
     ):
         if subset:
             sub = torch.tensor([local[r] for r in subset], device=device)
-            scores[sub] = warp(scores[sub], param[torch.tensor(subset, device=device)])
-    probs = torch.softmax(scores, dim=-1)
+            selected = param[torch.tensor(subset, device=device)]
+            if len(subset) == len(local):
+                scores = warp(scores, selected)
+            else:
+                scores[sub] = warp(scores[sub], selected)
+    weights = scores.exp_()  # unnormalised probabilities
     u = torch.tensor(batch.uniforms, dtype=torch.float64, device=device)
-    return _inverse_cdf(probs, u)
+    return _inverse_cdf(weights, u)
 
 
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """The first token whose cumulative probability exceeds u * total.
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The first token whose cumulative weight exceeds u * total (weights are
+    unnormalised probabilities, [n, vocab]; u is [n] float64 in [0, 1)).
 
-        probs  .2  0  .5  .3        cdf  .2 .2 .7 1.0
+        weights  .2  0  .5  .3        cdf  .2 .2 .7 1.0
         u=.5 -> x=.5 -> first cdf > .5 is index 2
 
-    A zero-probability token never has cdf > x where its predecessor did not,
-    so masked tokens cannot be drawn (a float32 cumsum of non-negative terms
+    A zero-weight token never has cdf > x where its predecessor did not, so
+    masked tokens cannot be drawn (a float32 cumsum of non-negative terms
     never decreases). x is kept strictly below the total so the search always
     lands inside the row.
     """
-    cdf = probs.cumsum(dim=-1)
+    cdf = weights.cumsum(dim=-1)
     total = cdf[:, -1]
     x = torch.minimum((u * total.double()).float(), torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, x.view(-1, 1), right=True).view(-1)
 
 
-# top_p and typical_p first look for their kept set among this many best
-# candidates (a partial top-k is far cheaper than sorting the vocabulary);
-# only a row whose candidates do not reach the requested mass (a very flat
-# distribution) pays for a full sort.
-_CANDIDATES = 256
+# top_p and typical_p look for their kept set among the best candidates
+# first, in growing tiers (a partial top-k is far cheaper than sorting the
+# vocabulary); only rows whose candidates do not reach the requested mass
+# (very flat distributions) pay for a full sort.
+_CANDIDATE_TIERS = (256, 4096)
+
+
+def _tiers(vocab: int) -> list[int]:
+    return [k for k in _CANDIDATE_TIERS if k < vocab]
 
 
 def _top_k(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -391,20 +421,27 @@ def _top_p(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         n_keep = (mass_above < top_p).sum(dim=-1).clamp(min=1)
         return sorted_probs.gather(1, (n_keep - 1).view(-1, 1))
 
-    candidates = torch.topk(probs, min(_CANDIDATES, probs.shape[-1]), dim=-1).values
-    threshold = smallest_kept(candidates, top_p)
-    flat = (candidates.sum(dim=-1) < top_p.view(-1)).nonzero().flatten()
-    if len(flat):
-        full = torch.sort(probs[flat], dim=-1, descending=True).values
-        threshold[flat] = smallest_kept(full, top_p[flat])
+    threshold = torch.empty_like(top_p)
+    pending = torch.arange(len(probs), device=probs.device)
+    for k in _tiers(probs.shape[-1]):
+        candidates = torch.topk(probs[pending], k, dim=-1).values
+        covered = candidates.sum(dim=-1) >= top_p[pending].view(-1)
+        done = pending[covered]
+        threshold[done] = smallest_kept(candidates[covered], top_p[done])
+        pending = pending[~covered]
+        if not len(pending):
+            break
+    if len(pending):
+        full = torch.sort(probs[pending], dim=-1, descending=True).values
+        threshold[pending] = smallest_kept(full, top_p[pending])
     return scores.masked_fill(probs < threshold, -math.inf)
 
 
 def _min_p(scores: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    # Keep tokens with prob >= min_p * max prob; the top token always passes.
-    probs = torch.softmax(scores, dim=-1)
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p.view(-1, 1)
-    return scores.masked_fill(probs < threshold, -math.inf)
+    # p < min_p * p_max  <=>  score < score_max + log(min_p): no softmax
+    # needed. The top token always passes.
+    threshold = scores.amax(dim=-1, keepdim=True) + min_p.view(-1, 1).log()
+    return scores.masked_fill(scores < threshold, -math.inf)
 
 
 def _typical(scores: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
@@ -425,13 +462,19 @@ def _typical(scores: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
         last = (cumulative < mass).sum(dim=-1).clamp(max=order.shape[-1] - 1)
         return distance.gather(1, order).gather(1, last.view(-1, 1)), cumulative[:, -1]
 
-    k = min(_CANDIDATES, scores.shape[-1])
-    order = torch.topk(distance, k, dim=-1, largest=False).indices
-    threshold, reached = farthest_kept(order, mass, distance, probs)
-    flat = (reached < mass.view(-1)).nonzero().flatten()
-    if len(flat):
-        full_order = torch.sort(distance[flat], dim=-1).indices
-        threshold[flat], _ = farthest_kept(full_order, mass[flat], distance[flat], probs[flat])
+    threshold = torch.empty_like(mass)
+    pending = torch.arange(len(scores), device=scores.device)
+    for k in _tiers(scores.shape[-1]):
+        order = torch.topk(distance[pending], k, dim=-1, largest=False).indices
+        found, reached = farthest_kept(order, mass[pending], distance[pending], probs[pending])
+        covered = reached >= mass[pending].view(-1)
+        threshold[pending[covered]] = found[covered]
+        pending = pending[~covered]
+        if not len(pending):
+            break
+    if len(pending):
+        order = torch.sort(distance[pending], dim=-1).indices
+        threshold[pending], _ = farthest_kept(order, mass[pending], distance[pending], probs[pending])
     return scores.masked_fill(distance > threshold, -math.inf)
 
 
