@@ -54,6 +54,58 @@ PREFILL_CONFIG = dict(block_n=64, num_warps=4, num_stages=3)
 
 
 @triton.jit
+def _attend_keys(
+    q, m_i, l_i, acc, start, hi, q_pos, table, k_cache_ptr, v_cache_ptr, kv_head, dims, dim_ok, scale_log2,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    """One online-softmax step over keys [start, start + BLOCK_N), gathered
+    through the block table. MASKED: some keys are >= hi or after some row's
+    position; otherwise every key is visible to every row."""
+    keys = start + tl.arange(0, BLOCK_N)
+    offset = keys % BLOCK_SIZE
+    if MASKED:
+        key_ok = keys < hi
+        block = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        kv_mask = key_ok[:, None] & dim_ok[None, :]
+    else:
+        block = tl.load(table + keys // BLOCK_SIZE).to(tl.int64)
+        kv_mask = dim_ok[None, :]
+    k = tl.load(
+        k_cache_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks + kv_head * stride_kh + dims[None, :],
+        mask=kv_mask, other=0.0,
+    )
+    if DOT_UPCAST:
+        k = k.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    if MASKED:
+        visible = key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    if MASKED:
+        # A row that has seen no key yet keeps m = -inf; subtract 0 instead so
+        # exp2 gives 0, not NaN.
+        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new_safe = m_new
+    p = tl.exp2(s - m_new_safe[:, None])
+    alpha = tl.exp2(m_i - m_new_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(
+        v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs + kv_head * stride_vh + dims[None, :],
+        mask=kv_mask, other=0.0,
+    )
+    # P is rounded to the cache dtype as the tensor-core dot on a GPU takes it.
+    p = p.to(v_cache_ptr.dtype.element_ty)
+    if DOT_UPCAST:
+        p = p.to(tl.float32)
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     tiles_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
@@ -103,39 +155,26 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq * stride_bt
-    for start in tl.range(lo, hi, BLOCK_N):
-        keys = start + tl.arange(0, BLOCK_N)
-        key_ok = keys < hi
-        block = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-        offset = keys % BLOCK_SIZE
-        kv_mask = key_ok[:, None] & dim_ok[None, :]
-        k = tl.load(
-            k_cache_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks + kv_head * stride_kh + dims[None, :],
-            mask=kv_mask, other=0.0,
+    # Keys [0, context + q_first] are visible to every row of the tile: the
+    # whole BLOCK_N steps among them skip the causal and bounds masks; the
+    # rest of [lo, hi) (the tile's diagonal and the ragged end) is masked.
+    #
+    #   lo ......... full_end ......... hi
+    #   | unmasked steps | masked steps  |
+    full_hi = tl.minimum(hi, context + q_first + 1)
+    full_end = lo + tl.maximum(full_hi - lo, 0) // BLOCK_N * BLOCK_N
+    for start in tl.range(lo, full_end, BLOCK_N):
+        m_i, l_i, acc = _attend_keys(
+            q, m_i, l_i, acc, start, hi, q_pos, table, k_cache_ptr, v_cache_ptr, kv_head, dims, dim_ok, scale_log2,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            BLOCK_N, BLOCK_SIZE, False, DOT_PRECISION, DOT_UPCAST,
         )
-        if DOT_UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        visible = key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # A row that has seen no key yet keeps m = -inf; subtract 0 instead so
-        # exp2 gives 0, not NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(
-            v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs + kv_head * stride_vh + dims[None, :],
-            mask=kv_mask, other=0.0,
+    for start in tl.range(full_end, hi, BLOCK_N):
+        m_i, l_i, acc = _attend_keys(
+            q, m_i, l_i, acc, start, hi, q_pos, table, k_cache_ptr, v_cache_ptr, kv_head, dims, dim_ok, scale_log2,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION, DOT_UPCAST,
         )
-        # P is rounded to the cache dtype as the tensor-core dot on a GPU takes it.
-        p = p.to(v_cache_ptr.dtype.element_ty)
-        if DOT_UPCAST:
-            p = p.to(tl.float32)
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
-        m_i = m_new
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     store_mask = row_valid[:, None] & dim_ok[None, :]
