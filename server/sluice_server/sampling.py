@@ -131,10 +131,11 @@ def sample(
         _mask_eos(processed, rows, batch, eos_token_ids)
 
     # One pass gives the greedy choice and each row's maximum, which also
-    # flags a broken row (NaN reached it, or every token got masked). A broken
-    # row is reported alone and neutralised so it cannot disturb the rest.
+    # flags a broken row (NaN or +inf reached it, or every token got masked).
+    # A broken row is reported alone and neutralised so it cannot disturb
+    # the rest.
     row_max, chosen = processed.max(dim=-1)
-    broken = torch.isnan(row_max) | torch.isneginf(row_max)
+    broken = ~torch.isfinite(row_max)
     broken_rows = broken.nonzero().flatten().tolist()
     if broken_rows:
         processed = processed.clone() if processed is logits else processed
@@ -147,9 +148,16 @@ def sample(
 
     results = _report(processed, chosen, batch)
     for i in broken_rows:
-        reason = "NaN in logits" if torch.isnan(logits[i].float()).any() else "every token was masked"
-        results[i] = SampledToken(0, math.nan, [], error=f"cannot sample: {reason}")
+        results[i] = SampledToken(0, math.nan, [], error=f"cannot sample: {_why_broken(logits[i])}")
     return results
+
+
+def _why_broken(row_logits: torch.Tensor) -> str:
+    if torch.isnan(row_logits).any():
+        return "NaN in logits"
+    if torch.isposinf(row_logits).any():
+        return "an infinite logit"
+    return "every token was masked"
 
 
 def _take_rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

@@ -75,10 +75,14 @@ def test_top_k_1_is_greedy(logits):
         assert [t.token_id for t in sample(logits, rows, [EOS])] == logits.argmax(dim=-1).tolist()
 
 
-def test_greedy_does_not_modify_the_callers_logits(logits):
+@pytest.mark.parametrize("p", [
+    params(temperature=0.7, top_p=0.5, repetition_penalty=1.3, logit_bias={3: 5.0}, seed=1),
+    params(temperature=0.7, top_k=3, min_p=0.1, typical_p=0.9, seed=1),
+    params(temperature=1.0, seed=1, logprobs=True),
+])
+def test_sampling_does_not_modify_the_callers_logits(logits, p):
     before = logits.clone()
-    sample(logits, [row(params(temperature=0.7, top_p=0.5, repetition_penalty=1.3,
-                                logit_bias={3: 5.0}, seed=1))] * len(logits), [EOS])
+    sample(logits, [row(p)] * len(logits), [EOS])
     assert torch.equal(logits, before)
 
 
@@ -392,6 +396,10 @@ def test_a_broken_row_fails_alone(logits):
             assert [t.token_id for i, t in enumerate(out) if i != 1] == [
                 int(x) for i, x in enumerate(logits.argmax(-1)) if i != 1
             ]
+    bad = logits.clone()
+    bad[2, 10] = math.inf
+    out = sample(bad, [row(params(temperature=1.0, seed=1))] * len(bad), [EOS])
+    assert "infinite" in out[2].error and all(t.error is None for i, t in enumerate(out) if i != 2)
     # Every token masked (all are EOS and min_tokens is not reached).
     out = sample(torch.zeros(1, 2), [row(params(min_tokens=5))], [0, 1])
     assert "masked" in out[0].error
