@@ -13,7 +13,9 @@ from sluice_server.batch import RequestState, Work
 from sluice_server.model_runner import ModelRunner
 from sluice_server.pb import shard_pb2
 
-torch.set_num_threads(2)
+# One thread: on a 2-core machine shared with other work, two OpenMP threads
+# make every small op wait for a descheduled peer (measured: ~12 ms per op).
+torch.set_num_threads(1)
 
 TINY = dict(
     vocab_size=128,
@@ -121,3 +123,8 @@ class Driver:
 
     def computed(self, rid: int, start: int, end: int) -> torch.Tensor:
         return torch.stack([self.logits[rid][p] for p in range(start, end)])
+
+
+# The bundled SmolLM2 model, converted once: fixtures smollm2_gguf, smollm2_dir.
+from _fixtures_model import smollm2_dir, smollm2_gguf  # noqa: E402,F401
+

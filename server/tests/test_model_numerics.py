@@ -103,3 +103,65 @@ def test_mixed_batch(model):
 def test_unsupported_model_type_names_supported():
     with pytest.raises(ValueError, match="supported: llama, mistral, qwen2"):
         model_class("gpt2")
+
+
+# --- the real bundled model ---------------------------------------------------
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "<|im_start|>user\nWhat is the boiling point of water?<|im_end|>\n<|im_start|>assistant\n",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+]
+NEW_TOKENS = 32
+
+
+def shard_greedy(runner: ModelRunner, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Greedy tokens through the servicer's Step logic, all prompts in one batch
+    (prefill together, then decode together)."""
+    from sluice_server.pb import shard_pb2
+    from sluice_server.servicer import Shard
+
+    shard = Shard(runner, urls=[])
+    blocks_each = -(-(max(map(len, prompts)) + n) // runner.block_size)
+    runner.allocate_kv_cache(blocks_each * len(prompts))
+    new = [
+        shard_pb2.NewRequest(
+            id=i, token_ids=p, num_prompt_tokens=len(p), num_new_tokens=len(p),
+            block_ids=range(i * blocks_each, (i + 1) * blocks_each), params=shard_pb2.SamplingParams(),
+        )
+        for i, p in enumerate(prompts)
+    ]
+    out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    step = shard_pb2.StepRequest(new_requests=new)
+    for _ in range(n):
+        response = shard.step(step)
+        assert not response.errors
+        for g in response.generations:
+            out[g.id].append(g.token_id)
+        step = shard_pb2.StepRequest(scheduled=[shard_pb2.ScheduledRequest(id=i, num_new_tokens=1) for i in out])
+    return [out[i] for i in range(len(prompts))]
+
+
+def test_smollm2_greedy_matches_transformers(smollm2_dir):
+    import transformers
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
+    prompts = [tokenizer.encode(p, add_special_tokens=False).ids for p in PROMPTS]
+    reference = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    want = []
+    with torch.no_grad():
+        for p in prompts:
+            out = reference.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                     do_sample=False, eos_token_id=None, pad_token_id=2)
+            want.append(out[0, len(p):].tolist())
+    del reference
+
+    runner = ModelRunner(smollm2_dir, dtype="auto", block_size=16)
+    assert runner.dtype == torch.float32 and runner.vocab_size == 49152
+    batched = shard_greedy(runner, prompts, NEW_TOKENS)
+    alone = [shard_greedy(runner, [p], NEW_TOKENS)[0] for p in prompts]
+    for i, text in enumerate(PROMPTS):
+        assert alone[i] == want[i], f"prompt {i} ({text!r}) alone"
+        assert batched[i] == want[i], f"prompt {i} ({text!r}) batched"

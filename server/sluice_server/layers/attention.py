@@ -84,7 +84,8 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> t
     """[B, nb] block tables -> the first `length` tokens' entries, [B, Hkv, length, D]."""
     b, nb = block_tables.shape
     _, bs, heads, dim = cache.shape
-    return cache[block_tables].view(b, nb * bs, heads, dim)[:, :length].transpose(1, 2)
+    blocks = cache.index_select(0, block_tables.reshape(-1))
+    return blocks.view(b, nb * bs, heads, dim)[:, :length].transpose(1, 2)
 
 
 class TorchAttention(AttentionBackend):
