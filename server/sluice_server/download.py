@@ -70,9 +70,13 @@ def resolve_model(model_id: str, revision: str | None = None, cache_dir: str | N
         return convert_gguf(path, hub_cache / "sluice-gguf")
     if path.is_dir():
         return check_model_folder(path)
-    if not _HUB_ID.match(model_id) or model_id.startswith(".") or path.exists():
+    if path.exists():
+        raise ModelResolutionError(f"{model_id} is a file, but neither a model folder nor a .gguf file")
+    if model_id.startswith(("/", ".", "~")):
+        raise ModelResolutionError(f"model folder not found: {model_id}")
+    if not _HUB_ID.match(model_id):
         raise ModelResolutionError(
-            f"{model_id!r} is neither a model folder, a .gguf file, nor a Hugging Face Hub id"
+            f"{model_id!r} is neither a model folder, a .gguf file, nor a Hugging Face Hub id (org/name)"
         )
     return _from_hub(model_id, revision, hub_cache)
 

@@ -84,8 +84,20 @@ def test_local_folder_without_weights_is_refused(tmp_path):
 
 @pytest.mark.parametrize("model_id", ["/no/such/folder", "./missing-model", "~/missing/model/dir"])
 def test_missing_folder_is_a_clear_error(model_id, offline_cache):
-    with pytest.raises(ModelResolutionError, match="neither a model folder"):
+    with pytest.raises(ModelResolutionError, match="model folder not found"):
         resolve_model(model_id)
+
+
+@pytest.mark.parametrize("model_id", ["a/b/c", "org/name with space", "-bad/name"])
+def test_neither_path_nor_hub_id_is_a_clear_error(model_id, offline_cache):
+    with pytest.raises(ModelResolutionError, match="neither a model folder, a .gguf file, nor a Hugging Face Hub id"):
+        resolve_model(model_id)
+
+
+def test_a_plain_file_is_refused(tmp_path):
+    (tmp_path / "weights.safetensors").write_bytes(b"x")
+    with pytest.raises(ModelResolutionError, match="is a file"):
+        resolve_model(str(tmp_path / "weights.safetensors"))
 
 
 def test_missing_gguf_is_a_clear_error(tmp_path):
