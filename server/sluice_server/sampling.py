@@ -15,7 +15,12 @@ Pipeline, per row (the order is transformers' `generate`):
       =  processed logits  --> logprob / top_tokens = log_softmax(processed)
       -> greedy: argmax                                (temperature == 0)
       -> else: / temperature -> top_k -> top_p -> min_p -> typical_p
-               -> softmax -> inverse-CDF draw with u = U(seed, position)
+               -> exp -> inverse-CDF draw with u = U(seed, position)
+
+Cost: the greedy rows of a batch with nothing else asked take one max pass
+over [batch, vocab]; sampling adds about four (shift+scale, exp, cumsum);
+each enabled warper adds a few, and top_p / typical_p on a very flat row a
+sort. Penalties and logit bias cost in proportion to the tokens they touch.
 
 Seeded randomness: the token at position p of a request is drawn with one
 uniform number u = hash(seed, p) through the inverse CDF of its row's
@@ -492,12 +497,15 @@ def _report(processed: torch.Tensor, chosen: torch.Tensor, batch: _BatchParams) 
     if not batch.logprob_rows:
         return results
     sel = torch.tensor(batch.logprob_rows, device=processed.device)
-    logprobs = torch.log_softmax(processed[sel], dim=-1)
-    chosen_logprob = logprobs.gather(1, chosen[sel].view(-1, 1)).view(-1).tolist()
+    # log_softmax(x)[t] = x[t] - logsumexp(x): only the reported entries are
+    # computed, not a whole [rows, vocab] log_softmax.
+    part = _take_rows(processed, sel)
+    log_total = torch.logsumexp(part, dim=-1, keepdim=True)
+    chosen_logprob = (part.gather(1, chosen[sel].view(-1, 1)) - log_total).view(-1).tolist()
     n_max = max(batch.top_n[i] for i in batch.logprob_rows)
     if n_max:
-        top_values, top_ids = torch.topk(logprobs, n_max, dim=-1)
-        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        top_values, top_ids = torch.topk(part, n_max, dim=-1)
+        top_values, top_ids = (top_values - log_total).tolist(), top_ids.tolist()
     for k, i in enumerate(batch.logprob_rows):
         results[i].logprob = chosen_logprob[k]
         n = batch.top_n[i]
