@@ -40,6 +40,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from sluice_server.pb import shard_pb2
@@ -403,12 +404,28 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 # top_p and typical_p look for their kept set among the best candidates
 # first, in growing tiers (a partial top-k is far cheaper than sorting the
 # vocabulary); only rows whose candidates do not reach the requested mass
-# (very flat distributions) pay for a full sort.
-_CANDIDATE_TIERS = (256, 4096)
+# (very flat distributions) pay for a full sort. One tier: on CPU a larger
+# top-k (4096) measured slower than numpy's full sort.
+_CANDIDATE_TIERS = (256,)
 
 
 def _tiers(vocab: int) -> list[int]:
     return [k for k in _CANDIDATE_TIERS if k < vocab]
+
+
+# numpy's vectorised sorts are several times faster than torch's on CPU
+# (measured 10x for values, 3x for indices at [64, 49152]).
+def _sort_values_descending(values: torch.Tensor) -> torch.Tensor:
+    if values.device.type != "cpu":
+        return torch.sort(values, dim=-1, descending=True).values
+    ascending = np.sort(values.numpy(), axis=-1)
+    return torch.from_numpy(np.ascontiguousarray(ascending[:, ::-1]))
+
+
+def _argsort(values: torch.Tensor) -> torch.Tensor:
+    if values.device.type != "cpu":
+        return torch.sort(values, dim=-1).indices
+    return torch.from_numpy(np.argsort(values.numpy(), axis=-1)).long()
 
 
 def _top_k(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -445,8 +462,7 @@ def _top_p(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         if not len(pending):
             break
     if len(pending):
-        full = torch.sort(probs[pending], dim=-1, descending=True).values
-        threshold[pending] = smallest_kept(full, top_p[pending])
+        threshold[pending] = smallest_kept(_sort_values_descending(probs[pending]), top_p[pending])
     return scores.masked_fill(probs < threshold, -math.inf)
 
 
@@ -486,7 +502,7 @@ def _typical(scores: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
         if not len(pending):
             break
     if len(pending):
-        order = torch.sort(distance[pending], dim=-1).indices
+        order = _argsort(distance[pending])
         threshold[pending], _ = farthest_kept(order, mass[pending], distance[pending], probs[pending])
     return scores.masked_fill(distance > threshold, -math.inf)
 
