@@ -14,11 +14,13 @@ Pipeline, per row (the order is transformers' `generate`):
       -> min_tokens           (EOS ids masked until enough were generated)
       =  processed logits  --> logprob / top_tokens = log_softmax(processed)
       -> greedy: argmax                                (temperature == 0)
-      -> else: / temperature -> top_k -> top_p -> min_p -> typical_p
+      -> else: / temperature -> top_k (the row goes on with its k best
+               tokens only) -> top_p -> min_p -> typical_p
                -> exp -> inverse-CDF draw with u = U(seed, position)
 
 Cost: the greedy rows of a batch with nothing else asked take one max pass
-over [batch, vocab]; sampling adds about four (shift+scale, exp, cumsum);
+over [batch, vocab]; sampling adds about four (shift+scale, exp, cumsum),
+or one top-k with top_k set, after which the row is k wide;
 each enabled warper adds a few, and top_p / typical_p on a very flat row a
 sort. Penalties and logit bias cost in proportion to the tokens they touch.
 
@@ -218,7 +220,6 @@ class _BatchParams:
         self.bias_rows: list[int] = []
         self.min_tokens_rows: list[int] = []
         self.logprob_rows: list[int] = []
-        self.top_k_rows: list[int] = []
         self.top_p_rows: list[int] = []
         self.min_p_rows: list[int] = []
         self.typical_rows: list[int] = []
@@ -241,7 +242,6 @@ class _BatchParams:
                 temperature[i] = p.temperature
                 if 0 < p.top_k < vocab_size:
                     top_k[i] = p.top_k
-                    self.top_k_rows.append(i)
                 if 0.0 < p.top_p < 1.0:
                     top_p[i] = p.top_p
                     self.top_p_rows.append(i)
@@ -358,29 +358,57 @@ def _draw(logits: torch.Tensor, row_max: torch.Tensor, batch: _BatchParams) -> t
     `logits` [len(sampled_rows), vocab] in that order, with maxima row_max
     [len(sampled_rows), 1]."""
     device = logits.device
-    local = {row: k for k, row in enumerate(batch.sampled_rows)}
     # (logits - max) / temperature in one pass: the row maximum becomes 0, so
     # exp() below cannot overflow, and no warper depends on the shift.
     inverse_temperature = 1.0 / batch.temperature[batch.sampled_index].view(-1, 1)
     scores = torch.addcmul(-row_max * inverse_temperature, logits, inverse_temperature)
-    # Each warper runs on the rows that enabled it only: a feature nobody in
-    # the batch uses costs nothing.
-    for subset, warp, param in (
-        (batch.top_k_rows, _top_k, batch.top_k),
+    u = torch.tensor(batch.uniforms, dtype=torch.float64, device=device)
+    chosen = torch.empty(len(batch.sampled_rows), dtype=torch.long, device=device)
+    # A row with top_k continues on its k best tokens only ([rows, k] instead
+    # of [rows, vocab]; exactly k, where transformers would also keep ties
+    # with the k-th). Rows are grouped by their own k, so what a row computes
+    # never depends on the other rows of the batch.
+    for k, members in _group_by_top_k(batch).items():
+        m = torch.tensor(members, device=device)
+        part = _take_rows(scores, m)
+        token_ids = None
+        if k < batch.vocab_size:
+            part, token_ids = torch.topk(part, k, dim=-1)
+        part = _warp(part, [batch.sampled_rows[j] for j in members], batch)
+        pick = _inverse_cdf(part.exp_(), u[m])
+        chosen[m] = pick if token_ids is None else token_ids.gather(1, pick.view(-1, 1)).view(-1)
+    return chosen
+
+
+def _group_by_top_k(batch: _BatchParams) -> dict[int, list[int]]:
+    """k -> positions in batch.sampled_rows; k = vocab for rows without top_k."""
+    top_k = batch.top_k[batch.sampled_index].tolist()
+    groups: dict[int, list[int]] = {}
+    for position, k in enumerate(top_k):
+        groups.setdefault(k, []).append(position)
+    return groups
+
+
+def _warp(scores: torch.Tensor, rows: list[int], batch: _BatchParams) -> torch.Tensor:
+    """top_p, min_p and typical_p on scores [len(rows), n], each on the
+    rows (batch row numbers `rows`) that enabled it: a feature nobody uses
+    costs nothing."""
+    position = {row: j for j, row in enumerate(rows)}
+    for enabled, warp, param in (
         (batch.top_p_rows, _top_p, batch.top_p),
         (batch.min_p_rows, _min_p, batch.min_p),
         (batch.typical_rows, _typical, batch.typical_p),
     ):
-        if subset:
-            sub = torch.tensor([local[r] for r in subset], device=device)
-            selected = param[torch.tensor(subset, device=device)]
-            if len(subset) == len(local):
-                scores = warp(scores, selected)
-            else:
-                scores[sub] = warp(scores[sub], selected)
-    weights = scores.exp_()  # unnormalised probabilities
-    u = torch.tensor(batch.uniforms, dtype=torch.float64, device=device)
-    return _inverse_cdf(weights, u)
+        subset = [r for r in enabled if r in position]
+        if not subset:
+            continue
+        selected = param[torch.tensor(subset, device=scores.device)]
+        if len(subset) == len(rows):
+            scores = warp(scores, selected)
+        else:
+            sub = torch.tensor([position[r] for r in subset], device=scores.device)
+            scores[sub] = warp(scores[sub], selected)
+    return scores
 
 
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -426,13 +454,6 @@ def _argsort(values: torch.Tensor) -> torch.Tensor:
     if values.device.type != "cpu":
         return torch.sort(values, dim=-1).indices
     return torch.from_numpy(np.argsort(values.numpy(), axis=-1)).long()
-
-
-def _top_k(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    k_max = int(k.max())
-    top = torch.topk(scores, k_max, dim=-1).values
-    threshold = top.gather(1, (k - 1).view(-1, 1))
-    return scores.masked_fill(scores < threshold, -math.inf)
 
 
 def _top_p(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -105,6 +105,7 @@ OTHERS = [
     params(temperature=1.0, typical_p=0.7, seed=9, logprobs=True),
     params(repetition_penalty=1.5, frequency_penalty=1.0, seed=10, min_tokens=50),
     params(temperature=2.0, logit_bias={0: 100.0}, top_n_tokens=5, seed=11),
+    params(temperature=0.5, top_k=50, top_p=0.8, seed=12),  # shares the target's top_k group
 ]
 
 
@@ -118,11 +119,11 @@ def test_same_seed_same_tokens_alone_and_in_a_batch(target):
         token_ids = history[: 20 + step]
         alone = sample(target_logits.view(1, -1), [row(target, token_ids, 20)], [EOS])[0]
 
-        # Eight other requests at other stages, the target at a varying slot.
-        where = step % 9
+        # Nine other requests at other stages, the target at a varying slot.
+        where = step % (len(OTHERS) + 1)
         rows = [row(p, torch.randint(0, vocab, (3 + i,), generator=gen).tolist(), 2) for i, p in enumerate(OTHERS)]
         rows.insert(where, row(target, token_ids, 20))
-        batch_logits = torch.randn(9, vocab, generator=gen)
+        batch_logits = torch.randn(len(OTHERS) + 1, vocab, generator=gen)
         batch_logits[where] = target_logits
         in_batch = sample(batch_logits, rows, [EOS])[where]
 
@@ -253,16 +254,20 @@ def test_typical_p_matches_transformers(value):
     assert (got != expected).sum(dim=-1).max() <= 1
 
 
-def test_top_k_and_min_p_match_transformers():
-    from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper
+def test_min_p_matches_transformers():
+    from transformers.generation.logits_process import MinPLogitsWarper
 
     scores = _warp_inputs()
-    k = torch.tensor([1, 7, 50, 1000, 40000])
-    for i, k_i in enumerate(k.tolist()):
-        expected = TopKLogitsWarper(k_i)(None, scores[i : i + 1].clone()).isinf()
-        assert torch.equal(sampling._top_k(scores[i : i + 1].clone(), k[i : i + 1]).isinf(), expected)
     expected = MinPLogitsWarper(0.05)(None, scores.clone()).isinf()
     assert torch.equal(sampling._min_p(scores.clone(), torch.full((5,), 0.05)).isinf(), expected)
+
+
+def test_top_k_on_a_real_size_vocabulary():
+    scores = _warp_inputs()
+    for k in (1, 7, 50, 1000):
+        best = set(scores[3].topk(k).indices.tolist())
+        tokens = draws(scores[3], 200, temperature=1.0, top_k=k)
+        assert set(tokens.tolist()) <= best
 
 
 # --- penalties, bias, min_tokens --------------------------------------------
