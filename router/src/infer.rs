@@ -73,7 +73,7 @@ pub struct ValidRequest {
     pub arrived: Instant,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct TokenLogprob {
     pub token_id: u32,
     pub logprob: f32,

@@ -13,7 +13,8 @@
 //! 6. back in `http`: `detokenize` turns tokens into text incrementally,
 //!    `stop` cuts stop sequences, responses are shaped per API.
 //!
-//! `metrics` records Prometheus series; `config` is the one typed
+//! `fake_shard` is an in-process shard behind the same `client::Shard` trait,
+//! for tests. `metrics` records Prometheus series; `config` is the one typed
 //! configuration built from the command line at startup.
 
 pub mod pb {
@@ -22,3 +23,17 @@ pub mod pb {
 }
 
 pub mod infer;
+pub mod blocks;
+pub mod client;
+pub mod fake_shard;
+pub mod radix;
+pub mod scheduler;
+pub mod chat_template;
+pub mod cli;
+pub mod config;
+pub mod detokenize;
+pub mod http;
+pub mod metrics;
+pub mod stop;
+pub mod tokenizer;
+pub mod validation;

@@ -1,0 +1,260 @@
+//! `sluice-router`'s entry point: parse the configuration, set up logging,
+//! then start in this order:
+//!
+//! 1. load the tokenizer, chat template and generation defaults (bad model
+//!    folder: fail before touching the shards);
+//! 2. connect to the shard group (ServiceDiscovery), read Info;
+//! 3. resolve the limits and Warmup the shards with them -> `num_blocks`;
+//! 4. spawn the scheduler;
+//! 5. bind HTTP and log "Listening on http://HOST:PORT".
+//!
+//! SIGTERM/SIGINT: mark the router draining (new generation requests and
+//! readiness get 503), let in-flight requests finish for up to
+//! `--shutdown-timeout`, stop the HTTP server, exit 0.
+
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+
+use crate::chat_template::ChatTemplate;
+use crate::client::ShardGroup;
+use crate::config::RouterConfig;
+use crate::http::{self, AppState, HttpOptions, Info};
+use crate::infer::{Infer, ShardInfo};
+use crate::scheduler::{self, SchedulerConfig};
+use crate::tokenizer::Tokenizer;
+use crate::validation::{GenerationDefaults, Limits, Validation};
+
+/// How long to keep retrying the first connection to rank 0 (the launcher
+/// may start the router while the shard is still binding its socket).
+const CONNECT_PATIENCE: Duration = Duration::from_secs(60);
+
+pub fn main() -> ExitCode {
+    let config = RouterConfig::parse();
+    init_logging(config.json_output);
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            tracing::error!("cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(config)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            tracing::error!("{message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_logging(json: bool) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let _ = if json {
+        builder.json().flatten_event(true).try_init()
+    } else {
+        builder.try_init()
+    };
+}
+
+/// Everything the HTTP side needs that comes from the model folder.
+struct ModelFiles {
+    tokenizer: Tokenizer,
+    chat_template: Option<ChatTemplate>,
+    defaults: GenerationDefaults,
+}
+
+fn load_model_files(config: &RouterConfig) -> Result<ModelFiles, String> {
+    let dir = &config.tokenizer;
+    let tokenizer = Tokenizer::from_dir(dir).map_err(|e| e.to_string())?;
+    let chat_template =
+        ChatTemplate::from_model_dir(dir, config.chat_template.as_deref()).map_err(|e| e.to_string())?;
+    if chat_template.is_none() {
+        tracing::warn!("the model has no chat template: /v1/chat/completions will answer 400");
+    }
+    let defaults = match std::fs::read_to_string(dir.join("generation_config.json")) {
+        Ok(text) => serde_json::from_str(&text).map_err(|e| format!("generation_config.json: {e}"))?,
+        Err(_) => GenerationDefaults::default(),
+    };
+    Ok(ModelFiles { tokenizer, chat_template, defaults })
+}
+
+async fn connect(path: &str) -> Result<ShardGroup, String> {
+    let deadline = Instant::now() + CONNECT_PATIENCE;
+    loop {
+        match ShardGroup::connect(path).await {
+            Ok(group) => return Ok(group),
+            Err(e) if Instant::now() >= deadline => {
+                return Err(format!("cannot connect to the shard at {path}: {e}"))
+            }
+            Err(e) => {
+                tracing::debug!("shard not reachable yet: {e}");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+    }
+}
+
+async fn run(config: RouterConfig) -> Result<(), String> {
+    let files = load_model_files(&config)?;
+    let mut shards = connect(&config.master_shard_uds_path).await?;
+    let shard_info = shards.info().await.map_err(|e| format!("Info failed: {e}"))?;
+    let limits = config
+        .resolve_limits(shard_info.max_position_embeddings)
+        .map_err(|e| e.to_string())?;
+    tracing::info!(?limits, "warming up the shards");
+    let num_blocks = shards
+        .warmup(limits.max_batch_prefill_tokens, limits.max_batch_size, limits.max_total_tokens)
+        .await
+        .map_err(|e| format!("Warmup failed: {e}"))?;
+    let kv_slots = num_blocks.saturating_mul(shard_info.block_size);
+    let max_batch_total_tokens = config.max_batch_total_tokens.map_or(kv_slots, |cap| cap.min(kv_slots));
+    if max_batch_total_tokens < limits.max_total_tokens {
+        tracing::warn!(
+            max_batch_total_tokens,
+            max_total_tokens = limits.max_total_tokens,
+            "the KV cache cannot hold one request of --max-total-tokens; long requests will be refused"
+        );
+    }
+    tracing::info!(num_blocks, block_size = shard_info.block_size, max_batch_total_tokens, "warmup done");
+
+    let info = ShardInfo {
+        model_type: shard_info.model_type.clone(),
+        dtype: shard_info.dtype.clone(),
+        device_type: shard_info.device_type.clone(),
+        world_size: shard_info.world_size,
+        block_size: shard_info.block_size,
+        vocab_size: shard_info.vocab_size,
+        eos_token_ids: shard_info.eos_token_ids.clone(),
+        max_position_embeddings: shard_info.max_position_embeddings,
+        num_blocks,
+        attention_backend: shard_info.attention_backend.clone(),
+    };
+    let scheduler_config = SchedulerConfig {
+        max_batch_prefill_tokens: limits.max_batch_prefill_tokens,
+        max_batch_total_tokens,
+        max_batch_size: limits.max_batch_size,
+        max_concurrent_requests: config.max_concurrent_requests,
+        block_size: shard_info.block_size,
+        num_blocks,
+        prefix_caching: !config.no_prefix_caching,
+        eos_token_ids: shard_info.eos_token_ids.clone(),
+    };
+    let infer = scheduler::spawn(shards, scheduler_config, info.clone());
+
+    let vocab_size = if info.vocab_size > 0 { info.vocab_size } else { files.tokenizer.vocab_size() };
+    let state = Arc::new(AppState {
+        infer: infer.clone(),
+        validation: Validation {
+            tokenizer: files.tokenizer,
+            chat_template: files.chat_template.map(Arc::new),
+            limits: Limits {
+                max_input_tokens: limits.max_input_tokens,
+                max_total_tokens: limits.max_total_tokens,
+                max_stop_sequences: config.max_stop_sequences,
+                max_top_n_tokens: config.max_top_n_tokens,
+                max_n: config.max_n,
+            },
+            vocab_size,
+            defaults: files.defaults,
+        },
+        info: Info {
+            model_id: config.model_id.clone(),
+            model_dtype: info.dtype.clone(),
+            model_device_type: info.device_type.clone(),
+            model_type: info.model_type.clone(),
+            max_input_tokens: limits.max_input_tokens,
+            max_total_tokens: limits.max_total_tokens,
+            max_concurrent_requests: config.max_concurrent_requests,
+            max_best_of: 1,
+            max_stop_sequences: config.max_stop_sequences,
+            max_top_n_tokens: config.max_top_n_tokens,
+            max_batch_total_tokens,
+            max_batch_prefill_tokens: limits.max_batch_prefill_tokens,
+            max_batch_size: limits.max_batch_size,
+            block_size: info.block_size,
+            num_blocks,
+            world_size: info.world_size,
+            prefix_caching: !config.no_prefix_caching,
+            attention_backend: info.attention_backend.clone(),
+            router: "sluice".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+        },
+        model_names: vec![config.served_model_name().to_string(), config.model_id.clone()],
+        metrics: crate::metrics::install(),
+        draining: Arc::new(AtomicBool::new(false)),
+        progress_timeout: Duration::from_secs(config.progress_timeout),
+        api_key: config.api_key.clone(),
+        started: Instant::now(),
+    });
+    let app = http::app(
+        state.clone(),
+        &HttpOptions {
+            payload_limit: config.payload_limit,
+            cors_allow_origin: config.cors_allow_origin.clone(),
+        },
+    );
+    let address = format!("{}:{}", config.hostname, config.port);
+    let listener = tokio::net::TcpListener::bind(&address)
+        .await
+        .map_err(|e| format!("cannot listen on {address}: {e}"))?;
+    tracing::info!("Listening on http://{address}");
+
+    let draining = state.draining.clone();
+    let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel();
+    let shutdown = drain_on_signal(infer, draining, config.shutdown_timeout(), stopped_tx);
+    let server = axum::serve(listener, app).with_graceful_shutdown(shutdown);
+    // After the drain, connections still open (idle keep-alives, a stream
+    // the scheduler never ended) get one more second, then we exit anyway.
+    let forced_exit = async {
+        let _ = stopped_rx.await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    };
+    tokio::select! {
+        result = server => result.map_err(|e| format!("HTTP server failed: {e}"))?,
+        () = forced_exit => tracing::warn!("connections still open after draining; closing them"),
+    }
+    tracing::info!("shut down cleanly");
+    Ok(())
+}
+
+async fn drain_on_signal(
+    infer: Infer,
+    draining: Arc<AtomicBool>,
+    timeout: Duration,
+    stopped: tokio::sync::oneshot::Sender<()>,
+) {
+    wait_for_signal().await;
+    tracing::info!("signal received: draining (up to {}s)", timeout.as_secs());
+    draining.store(true, Ordering::SeqCst);
+    if tokio::time::timeout(timeout, infer.drain()).await.is_err() {
+        tracing::warn!("in-flight requests did not finish within --shutdown-timeout");
+    }
+    let _ = stopped.send(());
+}
+
+async fn wait_for_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = terminate => {},
+    }
+}

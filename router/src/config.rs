@@ -1,0 +1,196 @@
+//! The router's configuration: one typed struct parsed from the command line
+//! (every flag also reads an environment variable), and the limits resolved
+//! from it plus what the shards reported at startup.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+
+#[derive(Debug, Clone, Parser)]
+#[command(name = "sluice-router", version, about = "Sluice router: HTTP API in front of the model shards")]
+pub struct RouterConfig {
+    /// Unix socket file of shard rank 0 (e.g. /tmp/sluice-server-0).
+    #[arg(long, env = "SLUICE_MASTER_SHARD_UDS_PATH", default_value = "/tmp/sluice-server-0")]
+    pub master_shard_uds_path: String,
+    /// Model folder with tokenizer.json (and tokenizer_config.json,
+    /// chat_template.jinja, generation_config.json).
+    #[arg(long, env = "SLUICE_TOKENIZER")]
+    pub tokenizer: PathBuf,
+    /// Shown in /info.
+    #[arg(long, env = "MODEL_ID", default_value = "sluice")]
+    pub model_id: String,
+    /// OpenAI `model` name; default: --model-id.
+    #[arg(long, env = "SERVED_MODEL_NAME")]
+    pub served_model_name: Option<String>,
+    #[arg(long, env = "SLUICE_HOSTNAME", default_value = "0.0.0.0")]
+    pub hostname: String,
+    #[arg(long, env = "PORT", default_value_t = 8080)]
+    pub port: u16,
+    /// Default: --max-total-tokens - 1.
+    #[arg(long, env = "MAX_INPUT_TOKENS")]
+    pub max_input_tokens: Option<u32>,
+    /// Prompt + generated tokens per request. Default: the model's
+    /// max_position_embeddings, at most 4096.
+    #[arg(long, env = "MAX_TOTAL_TOKENS")]
+    pub max_total_tokens: Option<u32>,
+    /// Tokens one step may compute. Default: --max-total-tokens, at most 4096.
+    #[arg(long, env = "MAX_BATCH_PREFILL_TOKENS")]
+    pub max_batch_prefill_tokens: Option<u32>,
+    /// KV token slots to use. Default: all that Warmup reports.
+    #[arg(long, env = "MAX_BATCH_TOTAL_TOKENS")]
+    pub max_batch_total_tokens: Option<u32>,
+    /// Requests per step. Default: --max-concurrent-requests.
+    #[arg(long, env = "MAX_BATCH_SIZE")]
+    pub max_batch_size: Option<u32>,
+    /// Waiting + running requests; more get HTTP 429.
+    #[arg(long, env = "MAX_CONCURRENT_REQUESTS", default_value_t = 128)]
+    pub max_concurrent_requests: u32,
+    #[arg(long, env = "MAX_STOP_SEQUENCES", default_value_t = 4)]
+    pub max_stop_sequences: u32,
+    #[arg(long, env = "MAX_TOP_N_TOKENS", default_value_t = 5)]
+    pub max_top_n_tokens: u32,
+    /// Largest OpenAI `n`.
+    #[arg(long, env = "SLUICE_MAX_N", default_value_t = 8)]
+    pub max_n: u32,
+    #[arg(long, env = "SLUICE_NO_PREFIX_CACHING")]
+    pub no_prefix_caching: bool,
+    /// A chat template file, or the template itself; overrides the model's.
+    #[arg(long, env = "SLUICE_CHAT_TEMPLATE")]
+    pub chat_template: Option<String>,
+    /// Require `Authorization: Bearer KEY` (not on /health and /ready).
+    #[arg(long, env = "API_KEY")]
+    pub api_key: Option<String>,
+    /// Allowed CORS origin; repeat for several.
+    #[arg(long, env = "CORS_ALLOW_ORIGIN", value_delimiter = ',')]
+    pub cors_allow_origin: Vec<String>,
+    /// Largest request body in bytes (HTTP 413 above).
+    #[arg(long, env = "PAYLOAD_LIMIT", default_value_t = 2_000_000)]
+    pub payload_limit: usize,
+    /// Seconds in-flight requests get to finish after SIGTERM/SIGINT.
+    #[arg(long, env = "SLUICE_SHUTDOWN_TIMEOUT", default_value_t = 30)]
+    pub shutdown_timeout: u64,
+    /// Readiness fails when the shards made no progress for this many seconds.
+    #[arg(long, env = "SLUICE_PROGRESS_TIMEOUT", default_value_t = 60)]
+    pub progress_timeout: u64,
+    /// Log JSON lines instead of human-readable text.
+    #[arg(long, env = "JSON_OUTPUT")]
+    pub json_output: bool,
+    /// Accepted; trace export comes with the tracing work.
+    #[arg(long, env = "OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+    #[arg(long, env = "OTLP_SERVICE_NAME", default_value = "sluice-router")]
+    pub otlp_service_name: String,
+}
+
+/// Request and batch limits after defaults were filled in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResolvedLimits {
+    pub max_input_tokens: u32,
+    pub max_total_tokens: u32,
+    pub max_batch_prefill_tokens: u32,
+    pub max_batch_size: u32,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ConfigError {
+    #[error("--max-input-tokens ({input}) must be less than --max-total-tokens ({total})")]
+    InputNotBelowTotal { input: u32, total: u32 },
+    #[error("--max-total-tokens ({total}) exceeds the model's max_position_embeddings ({model})")]
+    TotalAboveModel { total: u32, model: u32 },
+    #[error("--{0} must be at least 1")]
+    Zero(&'static str),
+}
+
+/// Longest default sequence: keeps CPU warmup and KV reservations modest.
+const DEFAULT_MAX_TOTAL_TOKENS: u32 = 4096;
+
+impl RouterConfig {
+    pub fn served_model_name(&self) -> &str {
+        self.served_model_name.as_deref().unwrap_or(&self.model_id)
+    }
+
+    pub fn shutdown_timeout(&self) -> Duration {
+        Duration::from_secs(self.shutdown_timeout)
+    }
+
+    /// Fills in defaults from the model's `max_position_embeddings` (0:
+    /// unknown) and checks the limits against each other. Called before
+    /// Warmup, which needs them.
+    pub fn resolve_limits(&self, max_position_embeddings: u32) -> Result<ResolvedLimits, ConfigError> {
+        let model = if max_position_embeddings == 0 { u32::MAX } else { max_position_embeddings };
+        let max_total_tokens = self.max_total_tokens.unwrap_or(model.min(DEFAULT_MAX_TOTAL_TOKENS));
+        if max_total_tokens > model {
+            return Err(ConfigError::TotalAboveModel { total: max_total_tokens, model });
+        }
+        let max_input_tokens = self.max_input_tokens.unwrap_or(max_total_tokens.saturating_sub(1));
+        if max_input_tokens >= max_total_tokens {
+            return Err(ConfigError::InputNotBelowTotal { input: max_input_tokens, total: max_total_tokens });
+        }
+        let checks = [
+            ("max-input-tokens", max_input_tokens),
+            ("max-concurrent-requests", self.max_concurrent_requests),
+            ("max-n", self.max_n),
+        ];
+        if let Some((name, _)) = checks.iter().find(|(_, v)| *v == 0) {
+            return Err(ConfigError::Zero(name));
+        }
+        let max_batch_prefill_tokens = self
+            .max_batch_prefill_tokens
+            .unwrap_or(max_total_tokens.min(DEFAULT_MAX_TOTAL_TOKENS));
+        let max_batch_size = self.max_batch_size.unwrap_or(self.max_concurrent_requests);
+        if max_batch_prefill_tokens == 0 {
+            return Err(ConfigError::Zero("max-batch-prefill-tokens"));
+        }
+        if max_batch_size == 0 {
+            return Err(ConfigError::Zero("max-batch-size"));
+        }
+        Ok(ResolvedLimits {
+            max_input_tokens,
+            max_total_tokens,
+            max_batch_prefill_tokens,
+            max_batch_size,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> RouterConfig {
+        let mut argv = vec!["sluice-router", "--tokenizer", "model"];
+        argv.extend_from_slice(args);
+        RouterConfig::try_parse_from(argv).unwrap()
+    }
+
+    #[test]
+    fn defaults_follow_the_model() {
+        let limits = parse(&[]).resolve_limits(8192).unwrap();
+        assert_eq!(
+            limits,
+            ResolvedLimits { max_input_tokens: 4095, max_total_tokens: 4096, max_batch_prefill_tokens: 4096, max_batch_size: 128 }
+        );
+        let limits = parse(&[]).resolve_limits(512).unwrap();
+        assert_eq!((limits.max_input_tokens, limits.max_total_tokens), (511, 512));
+    }
+
+    #[test]
+    fn inconsistent_limits_fail_loudly() {
+        let config = parse(&["--max-input-tokens", "100", "--max-total-tokens", "100"]);
+        assert!(matches!(config.resolve_limits(8192), Err(ConfigError::InputNotBelowTotal { .. })));
+        let config = parse(&["--max-total-tokens", "9000"]);
+        assert!(matches!(config.resolve_limits(8192), Err(ConfigError::TotalAboveModel { .. })));
+        let config = parse(&["--max-batch-size", "0"]);
+        assert_eq!(config.resolve_limits(8192), Err(ConfigError::Zero("max-batch-size")));
+    }
+
+    #[test]
+    fn names_and_flags() {
+        let config = parse(&["--model-id", "org/m", "--cors-allow-origin", "a", "--cors-allow-origin", "b", "--json-output"]);
+        assert_eq!(config.served_model_name(), "org/m");
+        assert_eq!(config.cors_allow_origin, ["a", "b"]);
+        assert!(config.json_output);
+        assert!(RouterConfig::try_parse_from(["sluice-router", "--tokenizer", "m", "--port", "x"]).is_err());
+    }
+}

@@ -1,0 +1,240 @@
+//! The one place where errors become HTTP responses. Each API has its own
+//! error body: OpenAI's `{"error": {"message", "type", "param", "code"}}`
+//! and TGI's `{"error": "...", "error_type": "..."}`; the status codes
+//! follow each API's habits (validation is 400 for OpenAI, 422 for TGI).
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Serialize;
+use utoipa::ToSchema;
+
+use crate::infer::InferError;
+use crate::validation::ValidationError;
+
+/// Everything a handler can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error(transparent)]
+    Validation(#[from] ValidationError),
+    #[error(transparent)]
+    Infer(#[from] InferError),
+    #[error("the request body is larger than the limit of {0} bytes (--payload-limit)")]
+    PayloadTooLarge(usize),
+    #[error("missing or invalid API key")]
+    Unauthorized,
+    /// The router is draining (SIGTERM) and takes no new requests.
+    #[error("the server is shutting down")]
+    Draining,
+}
+
+/// How long a client told "overloaded" should wait, in seconds.
+const RETRY_AFTER_SECS: &str = "1";
+
+impl ApiError {
+    fn openai_status(&self) -> StatusCode {
+        match self {
+            Self::Validation(ValidationError::ModelNotFound(_)) => StatusCode::NOT_FOUND,
+            Self::Validation(ValidationError::Tokenizer(_)) => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::Validation(_) | Self::Infer(InferError::Unschedulable(_)) => StatusCode::BAD_REQUEST,
+            other => other.common_status(),
+        }
+    }
+
+    fn tgi_status(&self) -> StatusCode {
+        match self {
+            Self::Validation(ValidationError::ModelNotFound(_)) => StatusCode::NOT_FOUND,
+            Self::Validation(ValidationError::Tokenizer(_)) => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::Validation(_) | Self::Infer(InferError::Unschedulable(_)) => StatusCode::UNPROCESSABLE_ENTITY,
+            // TGI answers a failed generation with 424.
+            Self::Infer(InferError::Generation(_)) => StatusCode::FAILED_DEPENDENCY,
+            other => other.common_status(),
+        }
+    }
+
+    fn common_status(&self) -> StatusCode {
+        match self {
+            Self::Validation(_) => StatusCode::BAD_REQUEST,
+            Self::Infer(InferError::Overloaded(_)) => StatusCode::TOO_MANY_REQUESTS,
+            Self::Infer(InferError::ShuttingDown) | Self::Draining => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Infer(InferError::Generation(_)) => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::Infer(InferError::Unschedulable(_)) => StatusCode::UNPROCESSABLE_ENTITY,
+            Self::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::Unauthorized => StatusCode::UNAUTHORIZED,
+        }
+    }
+
+    /// OpenAI's (type, code) for this error.
+    fn openai_kind(&self) -> (&'static str, Option<&'static str>) {
+        match self {
+            Self::Validation(ValidationError::ModelNotFound(_)) => ("invalid_request_error", Some("model_not_found")),
+            Self::Validation(ValidationError::Tokenizer(_)) => ("server_error", None),
+            Self::Validation(_) | Self::Infer(InferError::Unschedulable(_)) => ("invalid_request_error", None),
+            Self::PayloadTooLarge(_) => ("invalid_request_error", Some("payload_too_large")),
+            Self::Infer(InferError::Overloaded(_)) => ("rate_limit_error", Some("overloaded")),
+            Self::Infer(InferError::ShuttingDown) | Self::Draining => ("service_unavailable", Some("shutting_down")),
+            Self::Infer(InferError::Generation(_)) => ("server_error", Some("generation_failed")),
+            Self::Unauthorized => ("authentication_error", Some("invalid_api_key")),
+        }
+    }
+
+    /// TGI's `error_type`; the names the `text-generation` client knows.
+    fn tgi_error_type(&self) -> &'static str {
+        match self {
+            Self::Validation(ValidationError::Tokenizer(_)) => "tokenizer",
+            Self::Validation(_) | Self::Infer(InferError::Unschedulable(_)) => "validation",
+            Self::PayloadTooLarge(_) => "payload_too_large",
+            Self::Infer(InferError::Overloaded(_)) => "overloaded",
+            Self::Infer(InferError::ShuttingDown) | Self::Draining => "unhealthy",
+            Self::Infer(InferError::Generation(_)) => "generation",
+            Self::Unauthorized => "authentication",
+        }
+    }
+
+    pub fn openai_body(&self) -> OpenAiErrorBody {
+        let (kind, code) = self.openai_kind();
+        let param = match self {
+            Self::Validation(e) => e.param().map(str::to_string),
+            _ => None,
+        };
+        OpenAiErrorBody {
+            error: OpenAiErrorDetail {
+                message: self.to_string(),
+                r#type: kind.to_string(),
+                param,
+                code: code.map(str::to_string),
+            },
+        }
+    }
+
+    pub fn tgi_body(&self) -> TgiErrorBody {
+        TgiErrorBody {
+            error: self.to_string(),
+            error_type: self.tgi_error_type().to_string(),
+        }
+    }
+
+    fn finish(&self, status: StatusCode, body: Response) -> Response {
+        let mut response = (status, body).into_response();
+        if status == StatusCode::TOO_MANY_REQUESTS || status == StatusCode::SERVICE_UNAVAILABLE {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static(RETRY_AFTER_SECS));
+        }
+        if status.is_server_error() {
+            tracing::warn!(error = %self, "request failed");
+        }
+        response
+    }
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct OpenAiErrorBody {
+    pub error: OpenAiErrorDetail,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct OpenAiErrorDetail {
+    pub message: String,
+    #[serde(rename = "type")]
+    pub r#type: String,
+    pub param: Option<String>,
+    pub code: Option<String>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct TgiErrorBody {
+    pub error: String,
+    pub error_type: String,
+}
+
+/// An [`ApiError`] answered in OpenAI's shape.
+#[derive(Debug)]
+pub struct OpenAiError(pub ApiError);
+
+/// An [`ApiError`] answered in TGI's shape.
+#[derive(Debug)]
+pub struct TgiError(pub ApiError);
+
+impl<E: Into<ApiError>> From<E> for OpenAiError {
+    fn from(e: E) -> Self {
+        Self(e.into())
+    }
+}
+
+impl<E: Into<ApiError>> From<E> for TgiError {
+    fn from(e: E) -> Self {
+        Self(e.into())
+    }
+}
+
+impl IntoResponse for OpenAiError {
+    fn into_response(self) -> Response {
+        let body = Json(self.0.openai_body()).into_response();
+        self.0.finish(self.0.openai_status(), body)
+    }
+}
+
+impl IntoResponse for TgiError {
+    fn into_response(self) -> Response {
+        let body = Json(self.0.tgi_body()).into_response();
+        self.0.finish(self.0.tgi_status(), body)
+    }
+}
+
+/// Parses a JSON body, naming the offending field on failure
+/// (`messages[0].content: invalid type: ...`).
+pub fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    let mut deserializer = serde_json::Deserializer::from_slice(body);
+    serde_path_to_error::deserialize(&mut deserializer).map_err(|e| {
+        let path = e.path().to_string();
+        let field = (path != ".").then_some(path);
+        let message = match &field {
+            Some(field) => format!("`{field}`: {}", e.inner()),
+            None => e.inner().to_string(),
+        };
+        ApiError::Validation(ValidationError::Body { field, message })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, serde::Deserialize)]
+    #[allow(dead_code)]
+    struct Body {
+        messages: Vec<Message>,
+    }
+    #[derive(Debug, serde::Deserialize)]
+    #[allow(dead_code)]
+    struct Message {
+        content: String,
+    }
+
+    #[test]
+    fn json_errors_name_the_field() {
+        let err = parse_json::<Body>(br#"{"messages": [{"content": 3}]}"#).unwrap_err();
+        let body = err.openai_body();
+        assert_eq!(body.error.param.as_deref(), Some("messages[0].content"));
+        assert!(body.error.message.contains("invalid type"), "{}", body.error.message);
+        let err = parse_json::<Body>(b"{not json").unwrap_err();
+        assert_eq!(err.openai_status(), StatusCode::BAD_REQUEST);
+        assert_eq!(err.tgi_status(), StatusCode::UNPROCESSABLE_ENTITY);
+    }
+
+    #[test]
+    fn statuses_per_api() {
+        let overloaded = ApiError::Infer(InferError::Overloaded("full".into()));
+        let response = OpenAiError(overloaded).into_response();
+        assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(response.headers()[header::RETRY_AFTER], "1");
+        let generation = ApiError::Infer(InferError::Generation("nan".into()));
+        assert_eq!(generation.tgi_status(), StatusCode::FAILED_DEPENDENCY);
+        assert_eq!(generation.openai_status(), StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(generation.tgi_body().error_type, "generation");
+        let missing = ApiError::Validation(ValidationError::ModelNotFound("x".into()));
+        assert_eq!(missing.openai_status(), StatusCode::NOT_FOUND);
+        assert_eq!(missing.openai_body().error.code.as_deref(), Some("model_not_found"));
+    }
+}

@@ -1,0 +1,355 @@
+//! The axum application: routes, shared state, and the small endpoints
+//! (health, readiness, info, tokenize, models, metrics, OpenAPI). The
+//! generation endpoints live in `openai` and `tgi`; both drive requests
+//! through `generation`; every error leaves through `error`.
+
+pub mod error;
+pub mod generation;
+pub mod openai;
+pub mod sse;
+pub mod tgi;
+#[cfg(test)]
+mod tests;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Query, Request, State};
+use axum::http::{header, HeaderValue, Method, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use metrics_exporter_prometheus::PrometheusHandle;
+use serde::{Deserialize, Serialize};
+use tower_http::cors::{AllowOrigin, CorsLayer};
+use utoipa::{OpenApi, ToSchema};
+
+use crate::infer::{Infer, SchedulerStats};
+use crate::validation::Validation;
+use error::{ApiError, OpenAiError, TgiError};
+
+/// What /info reports besides the validation limits.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct Info {
+    pub model_id: String,
+    pub model_dtype: String,
+    pub model_device_type: String,
+    pub model_type: String,
+    pub max_input_tokens: u32,
+    pub max_total_tokens: u32,
+    pub max_concurrent_requests: u32,
+    pub max_best_of: u32,
+    pub max_stop_sequences: u32,
+    pub max_top_n_tokens: u32,
+    pub max_batch_total_tokens: u32,
+    pub max_batch_prefill_tokens: u32,
+    pub max_batch_size: u32,
+    pub block_size: u32,
+    pub num_blocks: u32,
+    pub world_size: u32,
+    pub prefix_caching: bool,
+    pub attention_backend: String,
+    pub router: String,
+    pub version: String,
+}
+
+pub struct AppState {
+    pub infer: Infer,
+    pub validation: Validation,
+    pub info: Info,
+    /// Names OpenAI's `model` may take (served name, model id).
+    pub model_names: Vec<String>,
+    pub metrics: PrometheusHandle,
+    /// Set on SIGTERM: new generation requests get 503, readiness fails.
+    pub draining: Arc<AtomicBool>,
+    /// Readiness fails when a step has run this long, or when requests wait
+    /// and no step finished for this long.
+    pub progress_timeout: Duration,
+    pub api_key: Option<String>,
+    /// When the app was built; stands in for "last step" before the first.
+    pub started: Instant,
+}
+
+impl AppState {
+    /// The served name for OpenAI responses.
+    pub fn served_model_name(&self) -> &str {
+        &self.model_names[0]
+    }
+
+    /// Accepts the served name, the model id, and "tgi" (what
+    /// huggingface_hub's InferenceClient sends when given a URL).
+    pub fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+        match model {
+            None => Ok(()),
+            Some(m) if m == "tgi" || self.model_names.iter().any(|n| n == m) => Ok(()),
+            Some(m) => Err(crate::validation::ValidationError::ModelNotFound(m.to_string()).into()),
+        }
+    }
+}
+
+pub struct HttpOptions {
+    pub payload_limit: usize,
+    pub cors_allow_origin: Vec<String>,
+}
+
+pub fn app(state: Arc<AppState>, options: &HttpOptions) -> Router {
+    let generation = Router::new()
+        .route("/", post(tgi::compat_generate))
+        .route("/generate", post(tgi::generate))
+        .route("/generate_stream", post(tgi::generate_stream))
+        .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/completions", post(openai::completions))
+        .layer(middleware::from_fn_with_state(state.clone(), reject_while_draining));
+    let router = Router::new()
+        .merge(generation)
+        .route("/tokenize", post(tokenize))
+        .route("/v1/models", get(models))
+        .route("/info", get(info))
+        .route("/metrics", get(metrics))
+        .route("/openapi.json", get(openapi))
+        .layer(middleware::from_fn_with_state(state.clone(), require_api_key))
+        // Liveness and readiness stay reachable without the key (probes).
+        .route("/health", get(health))
+        .route("/ready", get(ready))
+        .layer(DefaultBodyLimit::max(options.payload_limit))
+        .with_state(state);
+    if options.cors_allow_origin.is_empty() {
+        return router;
+    }
+    let origins: Vec<HeaderValue> = options
+        .cors_allow_origin
+        .iter()
+        .filter_map(|o| HeaderValue::from_str(o).ok())
+        .collect();
+    router.layer(
+        CorsLayer::new()
+            .allow_origin(AllowOrigin::list(origins))
+            .allow_methods([Method::GET, Method::POST])
+            .allow_headers([header::CONTENT_TYPE, header::AUTHORIZATION]),
+    )
+}
+
+async fn require_api_key(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
+    if let Some(key) = &state.api_key {
+        let given = request
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        if given != Some(key.as_str()) {
+            return api_error_for(request.uri().path(), ApiError::Unauthorized);
+        }
+    }
+    next.run(request).await
+}
+
+async fn reject_while_draining(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
+    if state.draining.load(Ordering::SeqCst) {
+        return api_error_for(request.uri().path(), ApiError::Draining);
+    }
+    next.run(request).await
+}
+
+/// Errors raised before a handler runs, in the shape of the API asked.
+fn api_error_for(path: &str, error: ApiError) -> Response {
+    if path.starts_with("/v1/") {
+        OpenAiError(error).into_response()
+    } else {
+        TgiError(error).into_response()
+    }
+}
+
+/// The body as bytes, with an oversized body reported in our error shape.
+pub(crate) fn body_bytes(body: Result<Bytes, axum::extract::rejection::BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|rejection| {
+        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::PayloadTooLarge(0)
+        } else {
+            ApiError::Validation(crate::validation::ValidationError::Body {
+                field: None,
+                message: rejection.body_text(),
+            })
+        }
+    })
+}
+
+pub(crate) fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Liveness: the process answers. `?ready` turns it into readiness.
+#[utoipa::path(get, path = "/health", params(("ready" = Option<String>, Query, description = "answer as /ready does")),
+    responses((status = 200, description = "alive"), (status = 503, description = "not ready (with ?ready)")))]
+async fn health(State(state): State<Arc<AppState>>, Query(query): Query<HealthQuery>) -> Response {
+    if query.ready.is_some() {
+        return ready(State(state)).await;
+    }
+    StatusCode::OK.into_response()
+}
+
+#[derive(Deserialize)]
+struct HealthQuery {
+    ready: Option<String>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Readiness {
+    pub ready: bool,
+    pub reason: Option<String>,
+    pub waiting: usize,
+    pub running: usize,
+}
+
+/// Readiness: warmed up (the app exists only after Warmup), not draining,
+/// and the shards make progress.
+#[utoipa::path(get, path = "/ready", responses((status = 200, body = Readiness), (status = 503, body = Readiness)))]
+async fn ready(State(state): State<Arc<AppState>>) -> Response {
+    let stats = state.infer.stats().await;
+    let verdict = readiness(&state, stats.as_ref(), Instant::now());
+    let status = if verdict.ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (status, Json(verdict)).into_response()
+}
+
+/// The readiness decision, separate from I/O so tests can give it clocks.
+pub(crate) fn readiness(state: &AppState, stats: Option<&SchedulerStats>, now: Instant) -> Readiness {
+    let not_ready = |reason: &str, stats: Option<&SchedulerStats>| Readiness {
+        ready: false,
+        reason: Some(reason.to_string()),
+        waiting: stats.map_or(0, |s| s.waiting),
+        running: stats.map_or(0, |s| s.running),
+    };
+    if state.draining.load(Ordering::SeqCst) {
+        return not_ready("draining", stats);
+    }
+    let Some(stats) = stats else {
+        return not_ready("the scheduler is not running", None);
+    };
+    let timeout = state.progress_timeout;
+    if let Some(since) = stats.step_in_flight_since {
+        if now.saturating_duration_since(since) > timeout {
+            return not_ready("a step has been running for too long", Some(stats));
+        }
+    }
+    let last_progress = stats.last_step_finished.unwrap_or(state.started).max(state.started);
+    let pending = stats.waiting + stats.running > 0;
+    if pending && stats.step_in_flight_since.is_none() && now.saturating_duration_since(last_progress) > timeout {
+        return not_ready("requests are pending but no step finished recently", Some(stats));
+    }
+    Readiness {
+        ready: true,
+        reason: None,
+        waiting: stats.waiting,
+        running: stats.running,
+    }
+}
+
+#[utoipa::path(get, path = "/info", responses((status = 200, body = Info)))]
+async fn info(State(state): State<Arc<AppState>>) -> Json<Info> {
+    Json(state.info.clone())
+}
+
+#[utoipa::path(get, path = "/metrics", responses((status = 200, description = "Prometheus text format", body = String)))]
+async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        state.metrics.render(),
+    )
+        .into_response()
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+pub struct TokenizeRequest {
+    pub inputs: String,
+    /// Accepted for TGI compatibility; ignored.
+    #[schema(value_type = Option<Object>)]
+    pub parameters: Option<serde_json::Value>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct SimpleToken {
+    pub id: u32,
+    pub text: String,
+    /// Byte offset of the token's text in `inputs`: `[start, stop)`.
+    pub start: usize,
+    pub stop: usize,
+}
+
+/// Tokenizes `inputs` as /generate would (special tokens added).
+#[utoipa::path(post, path = "/tokenize", request_body = TokenizeRequest,
+    responses((status = 200, body = Vec<SimpleToken>), (status = 422, body = error::TgiErrorBody)))]
+async fn tokenize(
+    State(state): State<Arc<AppState>>,
+    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
+) -> Result<Json<Vec<SimpleToken>>, TgiError> {
+    let request: TokenizeRequest = error::parse_json(&body_bytes(body)?)?;
+    if request.inputs.is_empty() {
+        return Err(crate::validation::ValidationError::Empty { field: "inputs".into() }.into());
+    }
+    let tokens = state
+        .validation
+        .tokenizer
+        .encode_with_offsets(&request.inputs, true)
+        .map_err(|e| ApiError::Validation(crate::validation::ValidationError::Tokenizer(e.to_string())))?;
+    Ok(Json(
+        tokens
+            .into_iter()
+            .map(|t| SimpleToken {
+                id: t.id,
+                text: t.text,
+                start: t.start,
+                stop: t.stop,
+            })
+            .collect(),
+    ))
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ModelList {
+    pub object: String,
+    pub data: Vec<ModelCard>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ModelCard {
+    pub id: String,
+    pub object: String,
+    pub created: u64,
+    pub owned_by: String,
+    pub max_model_len: u32,
+}
+
+#[utoipa::path(get, path = "/v1/models", responses((status = 200, body = ModelList)))]
+async fn models(State(state): State<Arc<AppState>>) -> Json<ModelList> {
+    Json(ModelList {
+        object: "list".into(),
+        data: vec![ModelCard {
+            id: state.served_model_name().to_string(),
+            object: "model".into(),
+            created: unix_now(),
+            owned_by: "sluice".into(),
+            max_model_len: state.info.max_total_tokens,
+        }],
+    })
+}
+
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "Sluice", description = "LLM inference server: OpenAI-compatible and TGI-native APIs"),
+    paths(
+        health, ready, info, metrics, tokenize, models,
+        tgi::generate, tgi::generate_stream, tgi::compat_generate,
+        openai::chat_completions, openai::completions,
+    )
+)]
+pub struct ApiDoc;
+
+#[utoipa::path(get, path = "/openapi.json", responses((status = 200, description = "this document")))]
+async fn openapi() -> Json<utoipa::openapi::OpenApi> {
+    Json(ApiDoc::openapi())
+}

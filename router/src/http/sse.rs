@@ -1,0 +1,51 @@
+//! Server-sent events as OpenAI and TGI clients read them: one
+//! `data: <json>\n\n` frame per event, OpenAI's stream ending with
+//! `data: [DONE]\n\n`. No `event:` names and no keep-alive comments, which
+//! some clients choke on.
+
+use std::convert::Infallible;
+
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use futures::Stream;
+use serde::Serialize;
+
+pub fn json_event(payload: &impl Serialize) -> Event {
+    Event::default().data(serde_json::to_string(payload).unwrap_or_else(|e| {
+        // Our own types always serialize; say so instead of panicking.
+        format!(r#"{{"error":"cannot serialize event: {e}"}}"#)
+    }))
+}
+
+pub fn done_event() -> Event {
+    Event::default().data("[DONE]")
+}
+
+pub fn sse_response<S>(events: S) -> Response
+where
+    S: Stream<Item = Event> + Send + 'static,
+{
+    use futures::StreamExt;
+    Sse::new(events.map(Ok::<_, Infallible>)).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn frames_are_data_lines_ended_by_a_blank_line() {
+        let events = futures::stream::iter(vec![
+            json_event(&serde_json::json!({"text": "a\nb"})),
+            json_event(&serde_json::json!({"n": 1})),
+            done_event(),
+        ]);
+        let response = sse_response(events);
+        assert_eq!(response.headers()["content-type"], "text/event-stream");
+        let body = axum::body::to_bytes(response.into_body(), 1 << 20).await.unwrap();
+        assert_eq!(
+            std::str::from_utf8(&body).unwrap(),
+            "data: {\"text\":\"a\\nb\"}\n\ndata: {\"n\":1}\n\ndata: [DONE]\n\n"
+        );
+    }
+}

@@ -1,0 +1,331 @@
+//! Handler tests: the axum app called in-process (`tower::ServiceExt`)
+//! over the real scheduler and an in-process `FakeShard`.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use axum::Router;
+use serde_json::{json, Value};
+use tower::ServiceExt;
+
+use super::{app, readiness, AppState, HttpOptions, Info};
+use crate::fake_shard::{FakeShard, FakeShardConfig};
+use crate::infer::{SchedulerStats, ShardInfo};
+use crate::scheduler::{spawn, SchedulerConfig};
+
+struct Setup {
+    fake: FakeShardConfig,
+    max_concurrent_requests: u32,
+    payload_limit: usize,
+}
+
+impl Default for Setup {
+    fn default() -> Self {
+        Self {
+            // The test tokenizer (validation::tests) has 267 tokens; </s> is 2.
+            fake: FakeShardConfig { vocab_size: 267, eos_token_id: 2, num_blocks: 64, block_size: 4, ..Default::default() },
+            max_concurrent_requests: 64,
+            payload_limit: 4096,
+        }
+    }
+}
+
+fn build(setup: Setup) -> (Router, Arc<AppState>) {
+    let fake = setup.fake;
+    let config = SchedulerConfig {
+        max_batch_prefill_tokens: 64,
+        max_batch_total_tokens: fake.num_blocks * fake.block_size,
+        max_batch_size: 16,
+        max_concurrent_requests: setup.max_concurrent_requests,
+        block_size: fake.block_size,
+        num_blocks: fake.num_blocks,
+        prefix_caching: true,
+        eos_token_ids: vec![fake.eos_token_id],
+    };
+    let info = ShardInfo {
+        model_type: "llama".into(),
+        dtype: "float32".into(),
+        device_type: "cpu".into(),
+        world_size: 1,
+        block_size: fake.block_size,
+        vocab_size: fake.vocab_size,
+        eos_token_ids: vec![fake.eos_token_id],
+        max_position_embeddings: 64,
+        num_blocks: fake.num_blocks,
+        attention_backend: "torch".into(),
+    };
+    let (shard, _handle) = FakeShard::new(fake);
+    let infer = spawn(shard, config, info);
+    let validation = crate::validation::tests::validation();
+    let limits = validation.limits.clone();
+    let state = Arc::new(AppState {
+        infer,
+        validation,
+        info: Info {
+            model_id: "org/tiny".into(),
+            model_dtype: "float32".into(),
+            model_device_type: "cpu".into(),
+            model_type: "llama".into(),
+            max_input_tokens: limits.max_input_tokens,
+            max_total_tokens: limits.max_total_tokens,
+            max_concurrent_requests: setup.max_concurrent_requests,
+            max_best_of: 1,
+            max_stop_sequences: limits.max_stop_sequences,
+            max_top_n_tokens: limits.max_top_n_tokens,
+            max_batch_total_tokens: 256,
+            max_batch_prefill_tokens: 64,
+            max_batch_size: 16,
+            block_size: 4,
+            num_blocks: 64,
+            world_size: 1,
+            prefix_caching: true,
+            attention_backend: "torch".into(),
+            router: "sluice".into(),
+            version: "test".into(),
+        },
+        model_names: vec!["tiny".into(), "org/tiny".into()],
+        metrics: crate::metrics::install(),
+        draining: Arc::new(AtomicBool::new(false)),
+        progress_timeout: Duration::from_secs(5),
+        api_key: None,
+        started: Instant::now(),
+    });
+    let options = HttpOptions { payload_limit: setup.payload_limit, cors_allow_origin: vec![] };
+    (app(state.clone(), &options), state)
+}
+
+async fn call(app: &Router, method: &str, path: &str, body: Option<Value>) -> (StatusCode, axum::http::HeaderMap, String) {
+    let body = body.map_or(Body::empty(), |b| Body::from(b.to_string()));
+    let request = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("content-type", "application/json")
+        .body(body)
+        .unwrap();
+    let response = app.clone().oneshot(request).await.unwrap();
+    let status = response.status();
+    let headers = response.headers().clone();
+    let bytes = axum::body::to_bytes(response.into_body(), 1 << 24).await.unwrap();
+    (status, headers, String::from_utf8(bytes.to_vec()).unwrap())
+}
+
+async fn post(app: &Router, path: &str, body: Value) -> (StatusCode, Value) {
+    let (status, _, text) = call(app, "POST", path, Some(body)).await;
+    (status, serde_json::from_str(&text).unwrap_or_else(|_| panic!("not JSON: {text}")))
+}
+
+/// The JSON payloads of an SSE body, checking the framing on the way.
+fn sse_payloads(text: &str) -> Vec<String> {
+    assert!(text.ends_with("\n\n"), "{text:?}");
+    text.split_terminator("\n\n")
+        .map(|frame| frame.strip_prefix("data: ").unwrap_or_else(|| panic!("bad frame {frame:?}")).to_string())
+        .collect()
+}
+
+#[tokio::test]
+async fn tgi_generate_returns_text_and_details() {
+    let (app, _) = build(Setup::default());
+    let body = json!({"inputs": "Hello", "parameters": {"max_new_tokens": 5, "details": true, "decoder_input_details": true}});
+    let (status, response) = post(&app, "/generate", body.clone()).await;
+    assert_eq!(status, StatusCode::OK, "{response}");
+    let details = &response["details"];
+    assert_eq!(details["finish_reason"], "length");
+    assert_eq!(details["generated_tokens"], 5);
+    assert_eq!(details["tokens"].as_array().unwrap().len(), 5);
+    assert!(details["seed"].is_null(), "greedy requests report no seed");
+    let prefill = details["prefill"].as_array().unwrap();
+    assert_eq!(prefill[0]["id"], 1, "BOS first");
+    // The compat route answers a one-element list with the same text.
+    let (status, list) = post(&app, "/", body).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(list[0]["generated_text"], response["generated_text"]);
+}
+
+#[tokio::test]
+async fn tgi_stream_carries_text_on_the_last_event() {
+    let (app, _) = build(Setup::default());
+    let body = json!({"inputs": "Hello", "parameters": {"max_new_tokens": 4, "do_sample": true, "seed": 3}});
+    let (status, headers, text) = call(&app, "POST", "/generate_stream", Some(body)).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(headers["content-type"], "text/event-stream");
+    let events: Vec<Value> = sse_payloads(&text).iter().map(|p| serde_json::from_str(p).unwrap()).collect();
+    assert_eq!(events.len(), 4);
+    let concatenated: String = events.iter().map(|e| e["token"]["text"].as_str().unwrap()).collect();
+    let last = events.last().unwrap();
+    assert_eq!(last["generated_text"].as_str().unwrap(), concatenated);
+    assert_eq!(last["details"]["finish_reason"], "length");
+    assert_eq!(last["details"]["seed"], 3);
+    assert!(events[..3].iter().all(|e| e["generated_text"].is_null()));
+}
+
+#[tokio::test]
+async fn chat_completion_with_n_choices_and_usage() {
+    let (app, _) = build(Setup::default());
+    let body = json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "n": 2,
+                      "temperature": 0, "top_p": 1.0, "some_vendor_field": {"x": 1}});
+    let (status, response) = post(&app, "/v1/chat/completions", body).await;
+    assert_eq!(status, StatusCode::OK, "{response}");
+    assert_eq!(response["object"], "chat.completion");
+    let choices = response["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 2);
+    assert_eq!(choices[1]["index"], 1);
+    assert_eq!(choices[0]["finish_reason"], "length");
+    assert_eq!(choices[0]["message"]["role"], "assistant");
+    assert_eq!(response["usage"]["completion_tokens"], 6);
+    assert!(response["usage"]["prompt_tokens_details"]["cached_tokens"].is_u64());
+}
+
+#[tokio::test]
+async fn chat_stream_ends_with_usage_and_done() {
+    let (app, _) = build(Setup::default());
+    let body = json!({"model": "org/tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                      "max_completion_tokens": 3, "stream": true, "stream_options": {"include_usage": true},
+                      "logprobs": true, "top_logprobs": 2});
+    let (status, _, text) = call(&app, "POST", "/v1/chat/completions", Some(body)).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let payloads = sse_payloads(&text);
+    assert_eq!(payloads.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = payloads[..payloads.len() - 1].iter().map(|p| serde_json::from_str(p).unwrap()).collect();
+    let usage = chunks.last().unwrap();
+    assert_eq!(usage["choices"].as_array().unwrap().len(), 0);
+    assert_eq!(usage["usage"]["completion_tokens"], 3);
+    let finish: Vec<&Value> = chunks.iter().filter(|c| c["choices"][0]["finish_reason"].is_string()).collect();
+    assert_eq!(finish.len(), 1);
+    assert_eq!(finish[0]["choices"][0]["finish_reason"], "length");
+    let with_logprobs = chunks.iter().filter(|c| c["choices"][0]["logprobs"]["content"].is_array()).count();
+    assert_eq!(with_logprobs, 3);
+}
+
+#[tokio::test]
+async fn completions_index_prompts_times_n() {
+    let (app, _) = build(Setup::default());
+    let body = json!({"model": "tiny", "prompt": ["Hello", "world"], "n": 2, "max_tokens": 2, "seed": 5, "temperature": 0.8});
+    let (status, response) = post(&app, "/v1/completions", body).await;
+    assert_eq!(status, StatusCode::OK, "{response}");
+    let indexes: Vec<u64> = response["choices"].as_array().unwrap().iter().map(|c| c["index"].as_u64().unwrap()).collect();
+    assert_eq!(indexes, [0, 1, 2, 3]);
+    assert_eq!(response["usage"]["completion_tokens"], 8);
+}
+
+#[tokio::test]
+async fn stop_sequence_cuts_the_text_and_finishes_with_stop() {
+    let (app, _) = build(Setup::default());
+    let base = json!({"model": "tiny", "prompt": [1, 263, 264], "max_tokens": 12, "temperature": 0});
+    let (_, full) = post(&app, "/v1/completions", base.clone()).await;
+    let text = full["choices"][0]["text"].as_str().unwrap().to_string();
+    // A stop sequence from the middle of the greedy output.
+    let chars: Vec<char> = text.chars().collect();
+    assert!(chars.len() >= 6, "{text:?}");
+    let stop: String = chars[3..5].iter().collect();
+    let expected_prefix = &text[..text.find(&stop).unwrap()];
+    let mut body = base;
+    body["stop"] = json!(stop);
+    let (status, cut) = post(&app, "/v1/completions", body).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(cut["choices"][0]["text"], expected_prefix);
+    assert_eq!(cut["choices"][0]["finish_reason"], "stop");
+}
+
+#[tokio::test]
+async fn bad_requests_get_precise_errors() {
+    let (app, _) = build(Setup::default());
+    let (status, body) = post(&app, "/v1/chat/completions", json!({"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]})).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(body["error"]["code"], "model_not_found");
+    let (status, body) = post(&app, "/v1/chat/completions", json!({"messages": [{"role": "user", "content": 5}]})).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(body["error"]["param"].as_str().unwrap().starts_with("messages[0]"), "{body}");
+    let (status, body) = post(&app, "/v1/chat/completions", json!({"messages": []})).await;
+    assert_eq!((status, body["error"]["param"].as_str()), (StatusCode::BAD_REQUEST, Some("messages")));
+    let (status, body) = post(&app, "/v1/completions", json!({"prompt": "x", "max_tokens": 2, "temperature": 3})).await;
+    assert_eq!((status, body["error"]["param"].as_str()), (StatusCode::BAD_REQUEST, Some("temperature")));
+    let (status, body) = post(&app, "/v1/completions", json!({"prompt": [1, 5000]})).await;
+    assert_eq!((status, body["error"]["param"].as_str()), (StatusCode::BAD_REQUEST, Some("prompt")));
+    let (status, body) = post(&app, "/v1/completions", json!({"prompt": "x", "max_tokens": 2, "logit_bias": {"7": 200}})).await;
+    assert_eq!((status, body["error"]["param"].as_str()), (StatusCode::BAD_REQUEST, Some("logit_bias.7")));
+    let (status, body) = post(&app, "/v1/completions", json!({"prompt": "x", "max_tokens": 100})).await;
+    assert_eq!((status, body["error"]["param"].as_str()), (StatusCode::BAD_REQUEST, Some("max_tokens")));
+    let (status, body) = post(&app, "/generate", json!({"inputs": ""})).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(body["error_type"], "validation");
+    let (status, body) = post(&app, "/generate", json!({"inputs": "x", "parameters": {"temperature": 0.0}})).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    let (status, _, text) = call(&app, "POST", "/generate", Some(json!({"inputs": "x".repeat(5000)}))).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE, "{text}");
+    assert!(text.contains("payload_too_large"));
+}
+
+#[tokio::test]
+async fn overload_is_429_with_retry_after() {
+    let mut setup = Setup { max_concurrent_requests: 1, ..Default::default() };
+    setup.fake.latency = Duration::from_millis(50);
+    let (app, _) = build(setup);
+    let slow = {
+        let app = app.clone();
+        tokio::spawn(async move { post(&app, "/generate", json!({"inputs": "a", "parameters": {"max_new_tokens": 6}})).await })
+    };
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let (status, headers, text) = call(&app, "POST", "/generate", Some(json!({"inputs": "b"}))).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{text}");
+    assert_eq!(headers["retry-after"], "1");
+    assert!(text.contains("\"error_type\":\"overloaded\""));
+    assert_eq!(slow.await.unwrap().0, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn draining_refuses_new_requests_and_readiness() {
+    let (app, state) = build(Setup::default());
+    let (status, _, _) = call(&app, "GET", "/ready", None).await;
+    assert_eq!(status, StatusCode::OK);
+    state.draining.store(true, Ordering::SeqCst);
+    let (status, body) = post(&app, "/v1/completions", json!({"prompt": "x"})).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(body["error"]["code"], "shutting_down");
+    let (status, _, _) = call(&app, "GET", "/health?ready", None).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    let (status, _, _) = call(&app, "GET", "/health", None).await;
+    assert_eq!(status, StatusCode::OK, "liveness stays up while draining");
+}
+
+#[tokio::test]
+async fn readiness_requires_progress() {
+    let (_, state) = build(Setup::default());
+    let now = Instant::now() + Duration::from_secs(60);
+    let idle = SchedulerStats::default();
+    assert!(readiness(&state, Some(&idle), now).ready, "nothing pending: ready");
+    let stuck_step = SchedulerStats { running: 1, step_in_flight_since: Some(now - Duration::from_secs(10)), ..Default::default() };
+    assert!(!readiness(&state, Some(&stuck_step), now).ready);
+    let starving = SchedulerStats { waiting: 2, last_step_finished: Some(now - Duration::from_secs(10)), ..Default::default() };
+    assert!(!readiness(&state, Some(&starving), now).ready);
+    let busy = SchedulerStats { waiting: 2, last_step_finished: Some(now - Duration::from_millis(100)), ..Default::default() };
+    assert!(readiness(&state, Some(&busy), now).ready);
+    assert!(!readiness(&state, None, now).ready, "scheduler gone");
+}
+
+#[tokio::test]
+async fn info_models_tokenize_metrics_and_openapi() {
+    let (app, _) = build(Setup::default());
+    let (status, _, info) = call(&app, "GET", "/info", None).await;
+    assert_eq!(status, StatusCode::OK);
+    let info: Value = serde_json::from_str(&info).unwrap();
+    assert_eq!((info["model_id"].as_str(), info["router"].as_str(), info["max_best_of"].as_u64()), (Some("org/tiny"), Some("sluice"), Some(1)));
+    let (_, _, models) = call(&app, "GET", "/v1/models", None).await;
+    assert_eq!(serde_json::from_str::<Value>(&models).unwrap()["data"][0]["id"], "tiny");
+    let (status, tokens) = post(&app, "/tokenize", json!({"inputs": "Hello"})).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(tokens[0]["id"], 1);
+    let (_, _, _) = call(&app, "POST", "/generate", Some(json!({"inputs": "x", "parameters": {"max_new_tokens": 1}}))).await;
+    let (status, _, metrics) = call(&app, "GET", "/metrics", None).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(metrics.contains("sluice_requests_total"), "{metrics}");
+    let (status, _, doc) = call(&app, "GET", "/openapi.json", None).await;
+    assert_eq!(status, StatusCode::OK);
+    let doc: Value = serde_json::from_str(&doc).unwrap();
+    assert!(doc["openapi"].as_str().unwrap().starts_with("3."));
+    for path in ["/generate", "/generate_stream", "/v1/chat/completions", "/v1/completions", "/tokenize", "/info"] {
+        assert!(doc["paths"][path].is_object(), "{path} missing");
+    }
+}
