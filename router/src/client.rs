@@ -1,0 +1,133 @@
+//! The gRPC client of the shard group (tonic over unix domain sockets).
+//!
+//! Rank 0's socket is the entry point: `ServiceDiscovery` lists every rank's
+//! URL (`unix:///path-RANK`), and the group keeps one channel per rank. A
+//! step goes to every rank at once (tensor parallelism: each rank computes
+//! its slice, they agree through torch.distributed) and rank 0's answer is
+//! the group's answer.
+
+use std::future::Future;
+
+use futures::future::try_join_all;
+use hyper_util::rt::TokioIo;
+use tonic::transport::{Channel, Endpoint, Uri};
+
+use crate::pb::shard_client::ShardClient;
+use crate::pb::{
+    ClearCacheRequest, HealthRequest, InfoRequest, InfoResponse, ServiceDiscoveryRequest, StepRequest,
+    StepResponse, WarmupRequest,
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The socket could not be reached (names the path and the cause).
+    #[error("cannot connect to shard: {0}")]
+    Connection(String),
+    #[error("shard returned an error: {0}")]
+    Status(#[from] tonic::Status),
+    #[error("shard group is inconsistent: {0}")]
+    Protocol(String),
+}
+
+/// What the scheduler needs from a shard group; implemented by [`ShardGroup`]
+/// and by `fake_shard::FakeShard`.
+pub trait Shard: Send + 'static {
+    fn step(&mut self, request: StepRequest) -> impl Future<Output = Result<StepResponse, ClientError>> + Send;
+}
+
+/// One tonic channel per rank, rank order.
+#[derive(Debug, Clone)]
+pub struct ShardGroup {
+    clients: Vec<ShardClient<Channel>>,
+}
+
+/// `unix:///tmp/sluice-server-0` or `/tmp/sluice-server-0` -> the socket path.
+fn socket_path(url: &str) -> &str {
+    url.strip_prefix("unix://").unwrap_or(url)
+}
+
+async fn connect_uds(path: &str) -> Result<ShardClient<Channel>, ClientError> {
+    let socket = path.to_string();
+    // The URI is required by tonic but unused: the connector ignores it and
+    // dials the socket file.
+    let channel = Endpoint::from_static("http://[::]:50051")
+        .connect_with_connector(tower::service_fn(move |_: Uri| {
+            let socket = socket.clone();
+            async move { Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(socket).await?)) }
+        }))
+        .await
+        .map_err(|e| ClientError::Connection(format!("{path}: {e:?}")))?;
+    Ok(ShardClient::new(channel)
+        .max_decoding_message_size(usize::MAX)
+        .max_encoding_message_size(usize::MAX))
+}
+
+impl ShardGroup {
+    /// Connects to rank 0 at `master_uds_path` (a socket file path, e.g.
+    /// /tmp/sluice-server-0), calls ServiceDiscovery, connects to every rank.
+    pub async fn connect(master_uds_path: &str) -> Result<Self, ClientError> {
+        let mut master = connect_uds(socket_path(master_uds_path)).await?;
+        let urls = master.service_discovery(ServiceDiscoveryRequest {}).await?.into_inner().urls;
+        if urls.is_empty() {
+            return Err(ClientError::Protocol("ServiceDiscovery returned no shards".into()));
+        }
+        let clients = try_join_all(urls.iter().map(|url| connect_uds(socket_path(url)))).await?;
+        Ok(Self { clients })
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.clients.len()
+    }
+
+    /// Rank 0's facts.
+    pub async fn info(&mut self) -> Result<InfoResponse, ClientError> {
+        Ok(self.clients[0].info(InfoRequest {}).await?.into_inner())
+    }
+
+    /// Ok when every rank answers.
+    pub async fn health(&mut self) -> Result<(), ClientError> {
+        try_join_all(self.clients.iter_mut().map(|c| c.health(HealthRequest {}))).await?;
+        Ok(())
+    }
+
+    /// Warms every rank up; returns the smallest `num_blocks` (each rank
+    /// holds its slice of every block, so the group has as many as its
+    /// smallest member).
+    pub async fn warmup(
+        &mut self,
+        max_batch_prefill_tokens: u32,
+        max_batch_size: u32,
+        max_total_tokens: u32,
+    ) -> Result<u32, ClientError> {
+        let responses = try_join_all(self.clients.iter_mut().map(|c| {
+            c.warmup(WarmupRequest { max_batch_prefill_tokens, max_batch_size, max_total_tokens })
+        }))
+        .await?;
+        responses
+            .into_iter()
+            .map(|r| r.into_inner().num_blocks)
+            .min()
+            .ok_or_else(|| ClientError::Protocol("no shards".into()))
+    }
+
+    pub async fn clear_cache(&mut self) -> Result<(), ClientError> {
+        try_join_all(self.clients.iter_mut().map(|c| c.clear_cache(ClearCacheRequest {}))).await?;
+        Ok(())
+    }
+}
+
+impl Shard for ShardGroup {
+    /// Sends the same step to every rank; an error from any rank fails the
+    /// step, otherwise rank 0's response is the answer.
+    fn step(&mut self, request: StepRequest) -> impl Future<Output = Result<StepResponse, ClientError>> + Send {
+        let calls = self.clients.iter_mut().map(|c| {
+            let request = request.clone();
+            async move { c.step(request).await }
+        });
+        let all = try_join_all(calls);
+        async move {
+            let mut responses = all.await?;
+            Ok(responses.swap_remove(0).into_inner())
+        }
+    }
+}

@@ -1,0 +1,339 @@
+//! An in-process shard for tests: it implements [`Shard`] like the real
+//! client, keeps per-request state as a real shard does, and checks every
+//! step the way a real shard's tensors would silently *not*:
+//!
+//! - ids: a `NewRequest` for an id it already holds, a `ScheduledRequest` for
+//!   one it does not;
+//! - block tables: ids out of range, the same block twice in one table, too
+//!   few blocks to hold `num_computed_tokens + num_new_tokens` slots;
+//! - writers: two requests writing one block, or a request writing a block
+//!   that another live request's table lists (a shared, cached block);
+//! - KV contents: every slot a request attends to must hold the KV of exactly
+//!   its own token prefix. The fake "KV" of slot `s` is a hash of the token
+//!   sequence up to and including the token written there, so a prefix-cache
+//!   hit on the wrong block, a stale block, or a chunk boundary off by one is
+//!   caught at the step that reads it.
+//!
+//! A violation fails the step (like a crashed shard) and is recorded, so a
+//! test asserts `handle.violations().is_empty()`.
+//!
+//! Tokens are "generated" deterministically from the whole sequence so far,
+//! so a request produces the same tokens whatever its batch, chunking,
+//! cache hits or preemptions were.
+
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::client::{ClientError, Shard};
+use crate::pb::{
+    Generation, RequestError, SamplingParams, StepRequest, StepResponse, StepTimings, TokenLogprob,
+};
+
+#[derive(Debug, Clone)]
+pub struct FakeShardConfig {
+    pub block_size: u32,
+    pub num_blocks: u32,
+    pub vocab_size: u32,
+    pub eos_token_id: u32,
+    /// Chance that a generated token is EOS (decided by the sequence hash).
+    pub eos_probability: f64,
+    /// Time one step takes.
+    pub latency: Duration,
+}
+
+impl Default for FakeShardConfig {
+    fn default() -> Self {
+        Self {
+            block_size: 4,
+            num_blocks: 64,
+            vocab_size: 1000,
+            eos_token_id: 0,
+            eos_probability: 0.0,
+            latency: Duration::ZERO,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct FakeRequest {
+    tokens: Vec<u32>,
+    num_prompt_tokens: usize,
+    num_computed: usize,
+    blocks: Vec<u32>,
+    params: SamplingParams,
+}
+
+#[derive(Debug, Default)]
+struct FakeState {
+    requests: HashMap<u64, FakeRequest>,
+    /// Per slot: hash of the token prefix whose last token's KV is there.
+    kv: Vec<Option<u64>>,
+    steps: Vec<StepRequest>,
+    violations: Vec<String>,
+    fail_steps: u32,
+    fail_requests: HashSet<u64>,
+}
+
+pub struct FakeShard {
+    config: FakeShardConfig,
+    state: Arc<Mutex<FakeState>>,
+}
+
+/// Inspects and steers a [`FakeShard`] that the scheduler owns.
+#[derive(Clone)]
+pub struct FakeShardHandle {
+    state: Arc<Mutex<FakeState>>,
+}
+
+impl FakeShard {
+    pub fn new(config: FakeShardConfig) -> (Self, FakeShardHandle) {
+        let state = FakeState {
+            kv: vec![None; (config.num_blocks * config.block_size) as usize],
+            ..Default::default()
+        };
+        let state = Arc::new(Mutex::new(state));
+        (Self { config, state: state.clone() }, FakeShardHandle { state })
+    }
+}
+
+impl FakeShardHandle {
+    /// Every step received, in order.
+    pub fn steps(&self) -> Vec<StepRequest> {
+        self.state.lock().unwrap().steps.clone()
+    }
+
+    /// Scheduler bugs the shard caught.
+    pub fn violations(&self) -> Vec<String> {
+        self.state.lock().unwrap().violations.clone()
+    }
+
+    /// Requests whose state the shard holds.
+    pub fn live_requests(&self) -> usize {
+        self.state.lock().unwrap().requests.len()
+    }
+
+    /// The next `n` steps fail as a whole (the RPC errors) without touching
+    /// shard state.
+    pub fn fail_next_steps(&self, n: u32) {
+        self.state.lock().unwrap().fail_steps = n;
+    }
+
+    /// The next step that computes request `id` answers with a
+    /// `RequestError` for it.
+    pub fn fail_request(&self, id: u64) {
+        self.state.lock().unwrap().fail_requests.insert(id);
+    }
+}
+
+/// Rolling hash of a token prefix: `prefix_hash(h(t0..tk), tk+1)`.
+fn extend_hash(h: u64, token: u32) -> u64 {
+    (h ^ (token as u64 + 1)).wrapping_mul(0x0000_0100_0000_01b3).rotate_left(17)
+}
+
+const HASH_SEED: u64 = 0xcbf2_9ce4_8422_2325;
+
+fn prefix_hashes(tokens: &[u32]) -> Vec<u64> {
+    let mut h = HASH_SEED;
+    tokens
+        .iter()
+        .map(|&t| {
+            h = extend_hash(h, t);
+            h
+        })
+        .collect()
+}
+
+/// The token a sequence "generates", and its fake logprob.
+pub fn next_token(config: &FakeShardConfig, tokens: &[u32], may_end: bool) -> (u32, f32) {
+    let h = prefix_hashes(tokens).last().copied().unwrap_or(HASH_SEED);
+    let h = h.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    let roll = ((h >> 40) % 1_000_000) as f64 / 1_000_000.0;
+    let logprob = -(((h >> 8) % 1000) as f32) / 100.0;
+    if may_end && roll < config.eos_probability {
+        return (config.eos_token_id, logprob);
+    }
+    let mut token = ((h >> 16) % config.vocab_size as u64) as u32;
+    if token == config.eos_token_id {
+        token = (token + 1) % config.vocab_size;
+    }
+    (token, logprob)
+}
+
+/// One request's work in a step, validated.
+struct Work {
+    id: u64,
+    start: usize,
+    num_new: usize,
+}
+
+impl FakeState {
+    fn validate(&self, config: &FakeShardConfig, step: &StepRequest) -> Result<(HashMap<u64, FakeRequest>, Vec<Work>), String> {
+        let bs = config.block_size as usize;
+        let finished: HashSet<u64> = step.finished_ids.iter().copied().collect();
+        // The shard's view after dropping finished requests and adding new ones.
+        let mut live: HashMap<u64, FakeRequest> = self
+            .requests
+            .iter()
+            .filter(|(id, _)| !finished.contains(id))
+            .map(|(&id, r)| (id, r.clone()))
+            .collect();
+        let mut work = Vec::new();
+        for new in &step.new_requests {
+            if live.contains_key(&new.id) {
+                return Err(format!("new request {} is already live", new.id));
+            }
+            let len = new.token_ids.len();
+            let computed = new.num_computed_tokens as usize;
+            if len == 0 || new.num_prompt_tokens == 0 || new.num_prompt_tokens as usize > len {
+                return Err(format!("request {}: bad token counts", new.id));
+            }
+            if computed >= len {
+                return Err(format!("request {}: num_computed_tokens {computed} >= {len}", new.id));
+            }
+            live.insert(
+                new.id,
+                FakeRequest {
+                    tokens: new.token_ids.clone(),
+                    num_prompt_tokens: new.num_prompt_tokens as usize,
+                    num_computed: computed,
+                    blocks: new.block_ids.clone(),
+                    params: new.params.clone().ok_or_else(|| format!("request {}: no params", new.id))?,
+                },
+            );
+            work.push(Work { id: new.id, start: computed, num_new: new.num_new_tokens as usize });
+        }
+        for s in &step.scheduled {
+            let Some(r) = live.get_mut(&s.id) else {
+                return Err(format!("scheduled request {} is unknown", s.id));
+            };
+            r.blocks.extend(&s.new_block_ids);
+            work.push(Work { id: s.id, start: r.num_computed, num_new: s.num_new_tokens as usize });
+        }
+        let mut writers: HashMap<u32, u64> = HashMap::new();
+        let mut seen_ids = HashSet::new();
+        for w in &work {
+            if !seen_ids.insert(w.id) {
+                return Err(format!("request {} appears twice in one step", w.id));
+            }
+            let r = &live[&w.id];
+            if w.num_new == 0 || w.start + w.num_new > r.tokens.len() {
+                return Err(format!(
+                    "request {}: computes [{}, {}) of {} tokens",
+                    w.id,
+                    w.start,
+                    w.start + w.num_new,
+                    r.tokens.len()
+                ));
+            }
+            let mut table = HashSet::new();
+            for &b in &r.blocks {
+                if b >= config.num_blocks {
+                    return Err(format!("request {}: block {b} out of range", w.id));
+                }
+                if !table.insert(b) {
+                    return Err(format!("request {}: block {b} twice in its table", w.id));
+                }
+            }
+            let end = w.start + w.num_new;
+            if r.blocks.len() * bs < end {
+                return Err(format!("request {}: {} blocks cannot hold {end} slots", w.id, r.blocks.len()));
+            }
+            // Attention reads slots [0, start): they must hold this prefix.
+            let hashes = prefix_hashes(&r.tokens);
+            for pos in 0..w.start {
+                let slot = r.blocks[pos / bs] as usize * bs + pos % bs;
+                if self.kv[slot] != Some(hashes[pos]) {
+                    return Err(format!("request {}: slot of token {pos} holds other KV", w.id));
+                }
+            }
+            for index in w.start / bs..(end - 1) / bs + 1 {
+                let block = r.blocks[index];
+                if let Some(other) = writers.insert(block, w.id) {
+                    if other != w.id {
+                        return Err(format!("block {block} written by requests {other} and {}", w.id));
+                    }
+                }
+            }
+        }
+        // A block being written must not be in any other live request's table.
+        for (id, r) in &live {
+            for b in &r.blocks {
+                if let Some(&writer) = writers.get(b) {
+                    if writer != *id {
+                        return Err(format!("request {writer} writes block {b}, which request {id} holds"));
+                    }
+                }
+            }
+        }
+        Ok((live, work))
+    }
+
+    fn step(&mut self, config: &FakeShardConfig, step: StepRequest) -> Result<StepResponse, ClientError> {
+        self.steps.push(step.clone());
+        if self.fail_steps > 0 {
+            self.fail_steps -= 1;
+            return Err(ClientError::Status(tonic::Status::unavailable("injected step failure")));
+        }
+        let (live, work) = match self.validate(config, &step) {
+            Ok(v) => v,
+            Err(violation) => {
+                self.violations.push(violation.clone());
+                return Err(ClientError::Status(tonic::Status::internal(violation)));
+            }
+        };
+        self.requests = live;
+        let bs = config.block_size as usize;
+        let mut response = StepResponse { timings: Some(StepTimings::default()), ..Default::default() };
+        for w in work {
+            if self.fail_requests.remove(&w.id) {
+                self.requests.remove(&w.id);
+                response.errors.push(RequestError { id: w.id, message: "injected request failure".into() });
+                continue;
+            }
+            let r = self.requests.get_mut(&w.id).expect("validated");
+            let hashes = prefix_hashes(&r.tokens);
+            for pos in w.start..w.start + w.num_new {
+                self.kv[r.blocks[pos / bs] as usize * bs + pos % bs] = Some(hashes[pos]);
+            }
+            r.num_computed = w.start + w.num_new;
+            if r.num_computed < r.tokens.len() {
+                continue; // a prefill chunk: nothing sampled
+            }
+            let generated = r.tokens.len() - r.num_prompt_tokens;
+            let may_end = generated >= r.params.min_tokens as usize;
+            let (token_id, logprob) = next_token(config, &r.tokens, may_end);
+            let prompt_logprobs = if r.params.prompt_logprobs && generated == 0 {
+                (1..r.tokens.len())
+                    .map(|i| TokenLogprob { token_id: r.tokens[i], logprob: next_token(config, &r.tokens[..i], false).1 })
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            r.tokens.push(token_id);
+            response.generations.push(Generation {
+                id: w.id,
+                token_id,
+                logprob,
+                top_tokens: Vec::new(),
+                prompt_logprobs,
+            });
+        }
+        Ok(response)
+    }
+}
+
+impl Shard for FakeShard {
+    fn step(&mut self, request: StepRequest) -> impl Future<Output = Result<StepResponse, ClientError>> + Send {
+        let state = self.state.clone();
+        let config = self.config.clone();
+        async move {
+            if !config.latency.is_zero() {
+                tokio::time::sleep(config.latency).await;
+            }
+            let mut state = state.lock().unwrap();
+            state.step(&config, request)
+        }
+    }
+}

@@ -1,0 +1,273 @@
+//! The scheduler: one tokio task that owns every request's state, the KV
+//! block allocator and the prefix tree, and runs the shard group one step at
+//! a time (iteration-level continuous batching).
+//!
+//! ```text
+//!  Infer::generate ──Command──►┌──────────── scheduler task ─────────────┐
+//!                              │ waiting (queue.rs)   running  kv.rs     │
+//!                              │   1 cancel    (step.rs)                 │
+//!                              │   2 running: decode / next chunk,       │
+//!                              │     blocks on demand (preemption.rs)    │
+//!                              │   3 admit waiting (admission.rs)        │
+//!                              │   ──Step──► shard ──► apply (apply.rs)  │
+//!                              └──── InferEvent per request ─────────────┘
+//! ```
+//!
+//! Commands keep arriving while a step is in flight (submissions join the
+//! waiting queue); the next step is built as soon as the last one returns.
+//!
+//! Invariants of [`Scheduler`], asserted after every step in debug builds
+//! (`check_invariants`):
+//! - a block is free, or referenced by running requests and/or the tree, and
+//!   its ref count is exactly (running tables listing it) + (1 if cached);
+//! - waiting requests hold no blocks;
+//! - no block has two writers: a running request's blocks from index
+//!   `num_computed / block_size` on (the ones it writes) are referenced by
+//!   it alone and are not in the tree;
+//! - a running request's blocks cover its computed tokens, and at least one
+//!   of its tokens is not computed yet (the one to compute next);
+//! - at most `max_batch_size` requests run.
+//! - when no request is running or waiting, free + cached = total.
+
+mod admission;
+mod apply;
+mod kv;
+mod stats;
+mod preemption;
+mod queue;
+mod request;
+mod step;
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokio::sync::{mpsc, oneshot};
+
+use crate::client::Shard;
+use crate::infer::{Command, Entry, Infer, InferError, SchedulerStats, ShardInfo};
+
+use kv::KvCache;
+use request::Request;
+
+/// The scheduler's limits, fixed at startup.
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    /// Tokens computed per step, summed over requests (a decode counts 1).
+    pub max_batch_prefill_tokens: u32,
+    /// KV token slots in all (num_blocks * block_size unless capped lower;
+    /// 0: no cap). Only this many slots' worth of blocks are handed out.
+    pub max_batch_total_tokens: u32,
+    /// Requests per step.
+    pub max_batch_size: u32,
+    /// Waiting + running; over it -> `InferError::Overloaded` (HTTP 429).
+    pub max_concurrent_requests: u32,
+    pub block_size: u32,
+    pub num_blocks: u32,
+    pub prefix_caching: bool,
+    pub eos_token_ids: Vec<u32>,
+}
+
+/// Starts the scheduler task; the returned handle submits to it. The task
+/// ends when every `Infer` clone is dropped and no request is left.
+pub fn spawn<S: Shard>(shard: S, config: SchedulerConfig, info: ShardInfo) -> Infer {
+    let (commands, receiver) = mpsc::channel(1024);
+    stats::describe();
+    let scheduler = Scheduler::new(config);
+    tokio::spawn(run(scheduler, shard, receiver));
+    Infer { commands, info: Arc::new(info) }
+}
+
+async fn run<S: Shard>(mut scheduler: Scheduler, mut shard: S, mut commands: mpsc::Receiver<Command>) {
+    let mut open = true;
+    loop {
+        while let Ok(command) = commands.try_recv() {
+            scheduler.handle(command);
+        }
+        let plan = scheduler.build_step();
+        if plan.is_empty() {
+            // Nothing can run: wait for the world to change.
+            if !open && scheduler.is_idle() {
+                return;
+            }
+            match commands.recv().await {
+                Some(command) => scheduler.handle(command),
+                None if scheduler.is_idle() => return,
+                None => open = false,
+            }
+            continue;
+        }
+        let request = scheduler.to_proto(&plan);
+        let started = Instant::now();
+        scheduler.stats.step_in_flight_since = Some(started);
+        let step = shard.step(request);
+        tokio::pin!(step);
+        let result = loop {
+            tokio::select! {
+                result = &mut step => break result,
+                command = commands.recv(), if open => match command {
+                    Some(command) => scheduler.handle(command),
+                    None => open = false,
+                },
+            }
+        };
+        scheduler.apply(plan, result, started);
+        #[cfg(debug_assertions)]
+        scheduler.check_invariants();
+    }
+}
+
+pub(crate) struct Scheduler {
+    config: SchedulerConfig,
+    /// Front first; preempted requests re-enter at the front.
+    waiting: VecDeque<Request>,
+    /// Admission order, oldest first: the last one is preempted first.
+    running: Vec<Request>,
+    kv: KvCache,
+    /// Requests whose shard-side state goes in the next step's
+    /// `finished_ids`.
+    finished: Vec<u64>,
+    next_id: u64,
+    next_admission: u64,
+    draining: bool,
+    drained: Vec<oneshot::Sender<()>>,
+    stats: SchedulerStats,
+}
+
+impl Scheduler {
+    fn new(mut config: SchedulerConfig) -> Self {
+        assert!(config.block_size > 0 && config.max_batch_prefill_tokens > 0 && config.max_batch_size > 0);
+        // max_batch_total_tokens caps the blocks in use (0: no cap).
+        if config.max_batch_total_tokens > 0 {
+            config.num_blocks = config.num_blocks.min(config.max_batch_total_tokens / config.block_size);
+        }
+        let kv = KvCache::new(config.num_blocks, config.block_size, config.prefix_caching);
+        let stats = SchedulerStats { blocks_total: config.num_blocks, ..Default::default() };
+        Self {
+            config,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            kv,
+            finished: Vec::new(),
+            next_id: 0,
+            next_admission: 0,
+            draining: false,
+            drained: Vec::new(),
+            stats,
+        }
+    }
+
+    fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.running.is_empty()
+    }
+
+    fn handle(&mut self, command: Command) {
+        match command {
+            Command::Submit(entry, ack) => {
+                let result = self.submit(entry);
+                // A dropped ack means the caller is gone; the request's
+                // closed event channel cancels it at the next step.
+                let _ = ack.send(result);
+            }
+            Command::Stats(reply) => {
+                let _ = reply.send(self.snapshot());
+            }
+            Command::Drain(reply) => {
+                self.draining = true;
+                self.drained.push(reply);
+            }
+        }
+        self.notify_drained();
+    }
+
+    fn submit(&mut self, entry: Entry) -> Result<(), InferError> {
+        if self.draining {
+            return Err(InferError::ShuttingDown);
+        }
+        let active = self.waiting.len() + self.running.len();
+        if active >= self.config.max_concurrent_requests as usize {
+            return Err(InferError::Overloaded(format!(
+                "{active} requests are queued or running (max_concurrent_requests = {})",
+                self.config.max_concurrent_requests
+            )));
+        }
+        self.check_schedulable(&entry)?;
+        let id = self.next_id;
+        self.next_id += 1;
+        self.waiting.push_back(Request::new(id, entry));
+        stats::queue(self);
+        Ok(())
+    }
+
+    /// Rejects what could never run, however empty the server: without this
+    /// a request larger than the KV cache would wait (or be preempted)
+    /// forever.
+    fn check_schedulable(&self, entry: &Entry) -> Result<(), InferError> {
+        let request = &entry.request;
+        if request.input_ids.is_empty() {
+            return Err(InferError::Unschedulable("the prompt has no tokens".into()));
+        }
+        if request.max_new_tokens == 0 {
+            return Err(InferError::Unschedulable("max_new_tokens must be at least 1".into()));
+        }
+        let total = request.input_ids.len() as u64 + request.max_new_tokens as u64;
+        let slots = self.config.num_blocks as u64 * self.config.block_size as u64;
+        if total > slots {
+            return Err(InferError::Unschedulable(format!(
+                "prompt ({} tokens) + max_new_tokens ({}) = {total} exceeds the KV cache ({slots} token slots)",
+                request.input_ids.len(),
+                request.max_new_tokens
+            )));
+        }
+        Ok(())
+    }
+
+    fn notify_drained(&mut self) {
+        if self.draining && self.is_idle() {
+            for reply in self.drained.drain(..) {
+                let _ = reply.send(());
+            }
+        }
+    }
+
+    fn snapshot(&self) -> SchedulerStats {
+        SchedulerStats {
+            waiting: self.waiting.len(),
+            running: self.running.len(),
+            blocks_total: self.config.num_blocks,
+            blocks_free: self.kv.num_free(),
+            blocks_cached: self.kv.num_cached(),
+            ..self.stats.clone()
+        }
+    }
+
+    fn position(&self, id: u64) -> Option<usize> {
+        self.running.iter().position(|r| r.id == id)
+    }
+
+    /// Panics with a description of the first broken invariant (see the
+    /// module comment).
+    pub(crate) fn check_invariants(&self) {
+        assert!(self.running.len() <= self.config.max_batch_size as usize, "too many running requests");
+        for r in &self.waiting {
+            assert!(r.blocks.is_empty(), "waiting request {} holds blocks", r.id);
+        }
+        let bs = self.config.block_size as usize;
+        for r in &self.running {
+            assert!(r.num_computed < r.tokens.len(), "request {} has nothing left to compute", r.id);
+            assert!(r.blocks.len() * bs >= r.num_computed, "request {} computed past its blocks", r.id);
+            for &b in &r.blocks[(r.num_computed / bs).min(r.blocks.len())..] {
+                assert_eq!(self.kv.ref_count(b), 1, "block {b} written by request {} is shared", r.id);
+                assert!(!self.kv.is_cached(b), "block {b} written by request {} is in the tree", r.id);
+            }
+        }
+        self.kv.check_invariants(self.running.iter().map(|r| r.blocks.as_slice()));
+        if self.is_idle() {
+            assert_eq!(
+                self.kv.num_free() + self.kv.num_cached(),
+                self.config.num_blocks,
+                "blocks leaked with no request left"
+            );
+        }
+    }
+}

@@ -1,0 +1,133 @@
+//! Building one step: drop cancelled requests, give running requests their
+//! decode token (first) or their next prefill chunk, then admit waiting ones.
+//!
+//! The token budget (`max_batch_prefill_tokens`) counts every token computed
+//! this step, a decode as 1. A chunk is cut where the budget (or the blocks
+//! that could be found) ends:
+//!
+//! ```text
+//!  budget 8, block_size 4
+//!  A decode                 ▇                      1 token
+//!  B prefill chunk     [8, 12) of 20 tokens   ▇▇▇▇   4 tokens
+//!  C admitted          [0, 3)  of 10 tokens   ▇▇▇    3 tokens (budget ends)
+//! ```
+
+use crate::blocks::BlockId;
+use crate::pb;
+
+use super::Scheduler;
+
+/// One request's part of a step.
+#[derive(Debug, Clone)]
+pub(crate) struct Planned {
+    pub id: u64,
+    /// Tokens computed: `tokens[num_computed .. num_computed + num_new]`.
+    pub num_new: usize,
+    /// The shard has no state for it: send it whole as a `NewRequest`.
+    pub is_new: bool,
+    /// `blocks[first_new_block..]` were appended for this step.
+    pub first_new_block: usize,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct StepPlan {
+    pub finished_ids: Vec<u64>,
+    pub entries: Vec<Planned>,
+}
+
+impl StepPlan {
+    /// Nothing to compute (pending `finished_ids` wait for the next step
+    /// that computes something; the shard's state for them is inert).
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    pub fn tokens(&self) -> usize {
+        self.entries.iter().map(|e| e.num_new).sum()
+    }
+
+    pub fn remove(&mut self, id: u64) -> Option<Planned> {
+        let index = self.entries.iter().position(|e| e.id == id)?;
+        Some(self.entries.remove(index))
+    }
+}
+
+impl Scheduler {
+    pub(crate) fn build_step(&mut self) -> StepPlan {
+        let mut plan = StepPlan::default();
+        self.drop_cancelled();
+        let mut budget = self.config.max_batch_prefill_tokens as usize;
+        self.schedule_running(&mut plan, &mut budget);
+        self.admit(&mut plan, &mut budget);
+        if !plan.is_empty() {
+            plan.finished_ids = std::mem::take(&mut self.finished);
+        }
+        super::stats::queue(self);
+        plan
+    }
+
+    /// Requests whose client went away leave now; their computed KV is still
+    /// good, so their full blocks are cached.
+    fn drop_cancelled(&mut self) {
+        self.waiting.retain(|r| !r.is_cancelled());
+        let (cancelled, running): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut self.running).into_iter().partition(|r| r.is_cancelled());
+        self.running = running;
+        for r in cancelled {
+            tracing::debug!(id = r.id, "request cancelled");
+            self.retire(r, true);
+        }
+    }
+
+    /// Takes a request out of the running set's bookkeeping: its shard state
+    /// is dropped at the next step and its blocks go back (full ones into the
+    /// tree when its KV is trustworthy).
+    pub(crate) fn retire(&mut self, r: super::Request, cache: bool) {
+        if r.on_shard {
+            self.finished.push(r.id);
+        }
+        let tokens = cache.then(|| r.computed_tokens());
+        self.kv.release(&r.blocks, tokens);
+    }
+
+    /// Decodes first (one token each keeps every stream moving), then the
+    /// next chunk of requests still reading their prompt, oldest first.
+    fn schedule_running(&mut self, plan: &mut StepPlan, budget: &mut usize) {
+        let max_batch = self.config.max_batch_size as usize;
+        let decodes: Vec<u64> = self.running.iter().filter(|r| r.remaining() == 1).map(|r| r.id).collect();
+        let prefills: Vec<u64> = self.running.iter().filter(|r| r.remaining() > 1).map(|r| r.id).collect();
+        for id in decodes.into_iter().chain(prefills) {
+            if *budget == 0 || plan.entries.len() >= max_batch {
+                break;
+            }
+            // A request preempted to make room for an older one is gone.
+            let Some(index) = self.position(id) else { continue };
+            let want = self.running[index].remaining().min(*budget);
+            let first_new_block = self.running[index].blocks.len();
+            let num_new = self.grow(plan, budget, id, want);
+            if num_new == 0 {
+                continue; // it was preempted itself
+            }
+            *budget -= num_new;
+            plan.entries.push(Planned { id, num_new, is_new: false, first_new_block });
+        }
+    }
+
+    pub(crate) fn to_proto(&self, plan: &StepPlan) -> pb::StepRequest {
+        let mut request = pb::StepRequest { finished_ids: plan.finished_ids.clone(), ..Default::default() };
+        for entry in &plan.entries {
+            let r = &self.running[self.position(entry.id).expect("planned requests are running")];
+            if entry.is_new {
+                request.new_requests.push(r.to_new_request(entry.num_new));
+            } else {
+                let new_block_ids: Vec<BlockId> = r.blocks[entry.first_new_block..].to_vec();
+                request.scheduled.push(pb::ScheduledRequest {
+                    id: entry.id,
+                    num_new_tokens: entry.num_new as u32,
+                    new_block_ids,
+                });
+            }
+        }
+        request
+    }
+}
