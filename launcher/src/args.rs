@@ -33,8 +33,8 @@ pub struct Args {
     #[arg(long, env = "NUM_SHARD", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     pub num_shard: u32,
 
-    /// Weight and activation dtype of the shards. Default: the shard picks (bfloat16 on CUDA, float32 on CPU).
-    #[arg(long, env = "DTYPE", value_parser = ["float32", "float16", "bfloat16"])]
+    /// Weight and activation dtype of the shards. Default (`auto`): the shard picks from the model and device.
+    #[arg(long, env = "DTYPE", value_parser = ["auto", "float32", "float16", "bfloat16"])]
     pub dtype: Option<String>,
 
     /// Weight quantization. Only `none` is supported for now.
@@ -103,8 +103,8 @@ pub struct Args {
     #[arg(long, env = "MASTER_PORT", default_value_t = 29500)]
     pub master_port: u16,
 
-    /// Hugging Face Hub cache folder (also read from HF_HUB_CACHE).
-    #[arg(long, env = "HUGGINGFACE_HUB_CACHE")]
+    /// Hugging Face Hub cache folder (also read from HUGGINGFACE_HUB_CACHE, the older name).
+    #[arg(long, env = "HF_HUB_CACHE")]
     pub huggingface_hub_cache: Option<PathBuf>,
 
     /// OpenTelemetry OTLP endpoint for traces (accepted; exporting is not implemented yet).
@@ -192,7 +192,7 @@ impl Args {
         var: impl Fn(&str) -> Option<std::ffi::OsString>,
     ) -> Self {
         if self.huggingface_hub_cache.is_none() {
-            self.huggingface_hub_cache = var("HF_HUB_CACHE")
+            self.huggingface_hub_cache = var("HUGGINGFACE_HUB_CACHE")
                 .filter(|v| !v.is_empty())
                 .map(PathBuf::from);
         }
@@ -324,7 +324,7 @@ mod tests {
             ("CORS_ALLOW_ORIGIN", "http://a,http://b"),
             ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4317"),
             ("OTEL_SERVICE_NAME", "sluice-test"),
-            ("HF_HUB_CACHE", "/hub-cache"),
+            ("HUGGINGFACE_HUB_CACHE", "/hub-cache"),
             ("KV_CACHE_BYTES", "4096"),
         ];
         let env = ENV_LOCK.write().unwrap_or_else(|e| e.into_inner());

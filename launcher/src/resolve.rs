@@ -36,6 +36,9 @@ pub fn command(server: &Path, args: &Args) -> Command {
     if let Some(cache) = &args.huggingface_hub_cache {
         command.arg("--huggingface-hub-cache").arg(cache);
     }
+    if args.json_output {
+        command.arg("--json-output");
+    }
     command
 }
 
@@ -117,10 +120,13 @@ mod tests {
         let argv: Vec<_> = cmd.as_std().get_args().collect();
         assert_eq!(argv, ["download-weights", "org/m"]);
 
-        let args = test_args(&["--revision", "r1", "--huggingface-hub-cache", "/c"]);
+        let args = test_args(&["--revision", "r1", "--huggingface-hub-cache", "/c", "--json-output"]);
         let cmd = command(Path::new("srv"), &args);
         let argv: Vec<_> = cmd.as_std().get_args().collect();
-        assert_eq!(argv, ["download-weights", "bundled", "--revision", "r1", "--huggingface-hub-cache", "/c"]);
+        assert_eq!(
+            argv,
+            ["download-weights", "bundled", "--revision", "r1", "--huggingface-hub-cache", "/c", "--json-output"]
+        );
     }
 
     #[test]

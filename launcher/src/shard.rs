@@ -35,17 +35,9 @@ pub fn command(server: &Path, args: &Args, model_dir: &Path, rank: u32) -> Comma
         .arg(&args.shard_uds_path)
         .arg("--block-size")
         .arg(args.block_size.to_string());
+    command.arg("--device").arg(device_name(args.device, gpu_present()));
     if let Some(dtype) = &args.dtype {
         command.arg("--dtype").arg(dtype);
-    }
-    match args.device {
-        Device::Auto => {}
-        Device::Cpu => {
-            command.arg("--device").arg("cpu");
-        }
-        Device::Cuda => {
-            command.arg("--device").arg("cuda");
-        }
     }
     if let Some(bytes) = args.kv_cache_bytes {
         command.arg("--kv-cache-bytes").arg(bytes.to_string());
@@ -61,6 +53,25 @@ pub fn command(server: &Path, args: &Args, model_dir: &Path, rank: u32) -> Comma
         .env("MASTER_ADDR", &args.master_addr)
         .env("MASTER_PORT", args.master_port.to_string());
     command
+}
+
+/// The shard's `--device`: `auto` means CUDA when an NVIDIA GPU is visible.
+pub fn device_name(device: Device, gpu_present: bool) -> &'static str {
+    match device {
+        Device::Cpu => "cpu",
+        Device::Cuda => "cuda",
+        Device::Auto if gpu_present => "cuda",
+        Device::Auto => "cpu",
+    }
+}
+
+/// Whether the NVIDIA driver reports a GPU that CUDA_VISIBLE_DEVICES does
+/// not hide. (Asking torch would cost a Python start-up of seconds.)
+pub fn gpu_present() -> bool {
+    let hidden = std::env::var("CUDA_VISIBLE_DEVICES")
+        .is_ok_and(|v| v.trim().is_empty() || v.trim() == "-1");
+    !hidden
+        && std::fs::read_dir("/proc/driver/nvidia/gpus").is_ok_and(|mut gpus| gpus.next().is_some())
 }
 
 /// Removes socket files left by an earlier run, so that a shard can bind and
@@ -141,7 +152,8 @@ mod tests {
     fn optional_flags_are_passed_only_when_set() {
         let args = test_args(&[]);
         let cmd = command(Path::new("srv"), &args, Path::new("/m"), 0);
-        assert_eq!(argv(&cmd), ["serve", "/m", "--uds-path", "/tmp/sluice-server", "--block-size", "16"]);
+        let device = device_name(Device::Auto, gpu_present());
+        assert_eq!(argv(&cmd), ["serve", "/m", "--uds-path", "/tmp/sluice-server", "--block-size", "16", "--device", device]);
 
         let args = test_args(&[
             "--dtype", "float16", "--device", "cpu", "--kv-cache-bytes", "1024", "--json-output",
@@ -150,9 +162,17 @@ mod tests {
         let cmd = command(Path::new("srv"), &args, Path::new("/m"), 0);
         assert_eq!(
             argv(&cmd),
-            ["serve", "/m", "--uds-path", "/s", "--block-size", "32", "--dtype", "float16", "--device", "cpu",
+            ["serve", "/m", "--uds-path", "/s", "--block-size", "32", "--device", "cpu", "--dtype", "float16",
              "--kv-cache-bytes", "1024", "--json-output"]
         );
+    }
+
+    #[test]
+    fn auto_device_follows_the_gpu() {
+        assert_eq!(device_name(Device::Auto, true), "cuda");
+        assert_eq!(device_name(Device::Auto, false), "cpu");
+        assert_eq!(device_name(Device::Cpu, true), "cpu");
+        assert_eq!(device_name(Device::Cuda, false), "cuda");
     }
 
     #[test]

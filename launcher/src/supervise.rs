@@ -82,7 +82,11 @@ pub async fn run(args: Args) -> Result<()> {
             return Err(e);
         }
     }
-    tracing::info!("Started {} shard(s); waiting until they answer Health", args.num_shard);
+    tracing::info!(
+        "Started {} shard(s) on {}; waiting until they answer Health",
+        args.num_shard,
+        shard::device_name(args.device, shard::gpu_present())
+    );
     if let Some(interrupt) = until(&mut children, &mut signals, shard::wait_all_healthy(&args)).await {
         return end(interrupt, &children, &mut signals, &args, true).await;
     }
