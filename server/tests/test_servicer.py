@@ -201,3 +201,77 @@ def test_sigterm_exits_cleanly(server, stub):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
     assert not os.path.exists(f"{uds}-0")
+
+
+# --- in-process: warmup sizing, logprobs, the CLI's other paths ----------------
+
+
+def test_warmup_sizes_cache_from_kv_cache_bytes(model_dir):
+    from sluice_server.model_runner import ModelRunner
+    from sluice_server.servicer import Shard
+
+    runner = ModelRunner(model_dir, block_size=BLOCK)
+    per_block = runner.bytes_per_block()  # 2 (k, v) * 2 layers * 4 slots * 2 heads * 16 dims * 4 bytes
+    assert per_block == 2 * 2 * BLOCK * 2 * 16 * 4
+    shard = Shard(runner, urls=[], kv_cache_bytes=100 * per_block + 7)
+    warm = shard.warmup(shard_pb2.WarmupRequest(max_batch_prefill_tokens=40, max_batch_size=4, max_total_tokens=32))
+    assert warm.num_blocks == 100 and warm.kv_cache_bytes == 100 * per_block
+    from sluice_server.model_runner import KVBudgetError
+
+    shard.kv_cache_bytes = 3 * per_block  # 12 slots < one request of 32 tokens
+    with pytest.raises(KVBudgetError):
+        shard.warmup(shard_pb2.WarmupRequest(max_batch_prefill_tokens=40, max_batch_size=4, max_total_tokens=32))
+
+
+def test_logprobs_match_reference(model_dir):
+    """Prompt logprobs gathered over three chunks, and the sampled token's
+    logprob and top-n, equal log_softmax of transformers' logits."""
+    from sluice_server.model_runner import ModelRunner
+    from sluice_server.servicer import Shard
+
+    from conftest import reference_logits
+
+    tokens = [9, 8, 7, 6, 5, 4, 3, 30, 31, 32, 33]
+    ref = torch.log_softmax(reference_logits(model_dir, tokens), dim=-1)
+    runner = ModelRunner(model_dir, block_size=BLOCK)
+    runner.allocate_kv_cache(8)
+    shard = Shard(runner, urls=[])
+    params = shard_pb2.SamplingParams(prompt_logprobs=True, logprobs=True, top_n_tokens=3)
+    r = shard.step(shard_pb2.StepRequest(new_requests=[new_request(1, tokens, [5, 1, 6], num_new=4, params=params)]))
+    assert not r.generations
+    r = shard.step(shard_pb2.StepRequest(scheduled=[shard_pb2.ScheduledRequest(id=1, num_new_tokens=5)]))
+    assert not r.generations
+    r = shard.step(shard_pb2.StepRequest(scheduled=[shard_pb2.ScheduledRequest(id=1, num_new_tokens=2)]))
+    (gen,) = r.generations
+    got = torch.tensor([p.logprob for p in gen.prompt_logprobs])
+    want = ref[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])]
+    assert [p.token_id for p in gen.prompt_logprobs] == tokens[1:]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert gen.token_id == int(ref[-1].argmax())
+    assert abs(gen.logprob - float(ref[-1].max())) < 1e-4
+    assert [t.token_id for t in gen.top_tokens] == ref[-1].topk(3).indices.tolist()
+    # The next generation carries no prompt logprobs.
+    r = shard.step(shard_pb2.StepRequest(scheduled=[shard_pb2.ScheduledRequest(id=1, num_new_tokens=1)]))
+    assert len(r.generations) == 1 and not r.generations[0].prompt_logprobs
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(SERVER_DIR))
+    return subprocess.run([sys.executable, "-m", "sluice_server.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def test_download_weights_prints_folder_last(model_dir):
+    done = run_cli("download-weights", str(model_dir))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == str(model_dir)
+
+
+def test_serve_unsupported_model_fails_clearly(tmp_path, model_dir):
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(model_dir / name, tmp_path / name)
+    config = (tmp_path / "config.json").read_text().replace('"model_type": "llama"', '"model_type": "gpt2"')
+    (tmp_path / "config.json").write_text(config)
+    done = run_cli("serve", str(tmp_path), "--uds-path", str(tmp_path / "s"))
+    assert done.returncode == 1
+    assert "supported: llama, mistral, qwen2" in done.stderr
