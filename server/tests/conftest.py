@@ -33,7 +33,7 @@ def make_tiny_model(folder: Path, kind: str = "llama", seed: int = 0, **override
     """Saves a random-weight model (float32) in HF layout into `folder`.
 
     kind: "llama" (GQA, untied), "qwen2" (q/k/v biases), "tied" (SmolLM2-like),
-    "mha" (no GQA), "llama3" (rope_scaling type llama3).
+    "mha" (no GQA), "llama3" (rope_scaling type llama3), "mistral".
     """
     import transformers
 
@@ -58,6 +58,8 @@ def make_tiny_model(folder: Path, kind: str = "llama", seed: int = 0, **override
                 "original_max_position_embeddings": 32,
             },
         )
+    elif kind == "mistral":
+        config = transformers.MistralConfig(**args, tie_word_embeddings=False)
     elif kind == "llama":
         config = transformers.LlamaConfig(**args, tie_word_embeddings=False)
     else:

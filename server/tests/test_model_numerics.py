@@ -12,7 +12,7 @@ from sluice_server.models import model_class
 from conftest import Driver, make_tiny_model, reference_logits
 
 ATOL = 1e-4
-KINDS = ["llama", "qwen2", "tied", "mha", "llama3"]
+KINDS = ["llama", "qwen2", "tied", "mha", "llama3", "mistral"]
 
 
 def prompt(length: int, seed: int) -> list[int]:

@@ -9,6 +9,10 @@
 Differences between the members are configuration only: Qwen2 has q/k/v
 biases, Llama 3.1 scales rotary frequencies (rope_type llama3), SmolLM2 ties
 the LM head to the embedding, and all use grouped-query attention.
+
+Not implemented: sliding-window attention (Mistral v0.1's `sliding_window`,
+Qwen2's `use_sliding_window`). Every token attends to its whole context, which
+is the same computation while sequences stay within the window.
 """
 
 from __future__ import annotations
