@@ -19,8 +19,9 @@ use tonic::transport::{Endpoint, Uri};
 use crate::args::{Args, Device};
 
 const POLL_INTERVAL: Duration = Duration::from_millis(200);
-/// One Health call; a shard still loading may not accept yet.
-const HEALTH_TIMEOUT: Duration = Duration::from_secs(5);
+/// One Health call: a forward pass, the first of which may be slow on CUDA
+/// (kernel compilation).
+const HEALTH_TIMEOUT: Duration = Duration::from_secs(60);
 
 pub fn name(rank: u32) -> String {
     format!("shard-{rank}")
@@ -98,24 +99,45 @@ pub fn remove_stale_sockets(args: &Args) -> Result<()> {
 
 /// Returns once every shard socket answers Health. Pends while they load;
 /// the caller races this against the shards exiting.
+///
+/// With several shards a Health call runs a forward pass, a collective over
+/// all ranks: rank 0 answers only once every rank got its call. So the calls
+/// go to all ranks at once, and only when every socket exists.
 pub async fn wait_all_healthy(args: &Args) {
-    for rank in 0..args.num_shard {
-        wait_healthy(&args.shard_socket(rank)).await;
-        tracing::info!("Shard {rank} is ready");
-    }
-}
-
-async fn wait_healthy(socket: &Path) {
+    let sockets: Vec<PathBuf> = (0..args.num_shard).map(|rank| args.shard_socket(rank)).collect();
     loop {
-        if socket.exists() {
-            match tokio::time::timeout(HEALTH_TIMEOUT, health(socket)).await {
-                Ok(Ok(())) => return,
-                Ok(Err(e)) => tracing::debug!("{} not healthy yet: {e:#}", socket.display()),
-                Err(_) => tracing::debug!("{} did not answer Health yet", socket.display()),
-            }
+        if sockets.iter().all(|s| s.exists()) && all_healthy(&sockets).await {
+            return;
         }
         tokio::time::sleep(POLL_INTERVAL).await;
     }
+}
+
+async fn all_healthy(sockets: &[PathBuf]) -> bool {
+    let mut calls = tokio::task::JoinSet::new();
+    for socket in sockets {
+        let socket = socket.clone();
+        calls.spawn(async move {
+            let answer = tokio::time::timeout(HEALTH_TIMEOUT, health(&socket)).await;
+            (socket, answer)
+        });
+    }
+    let mut healthy = true;
+    while let Some(joined) = calls.join_next().await {
+        match joined {
+            Ok((_, Ok(Ok(())))) => {}
+            Ok((socket, Ok(Err(e)))) => {
+                tracing::debug!("{} not healthy yet: {e:#}", socket.display());
+                healthy = false;
+            }
+            Ok((socket, Err(_))) => {
+                tracing::debug!("{} did not answer Health within {HEALTH_TIMEOUT:?}", socket.display());
+                healthy = false;
+            }
+            Err(_) => healthy = false,
+        }
+    }
+    healthy
 }
 
 /// One gRPC Health call over the unix socket `socket`.

@@ -11,7 +11,7 @@
 //! start ends in seconds instead of waiting for readiness forever.
 
 use std::future::Future;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 use tokio::signal::unix::{signal, Signal, SignalKind};
@@ -30,6 +30,11 @@ const SHARD_GRACE: Duration = Duration::from_secs(10);
 /// Added to --shutdown-timeout before the router is killed: it needs a
 /// moment beyond draining to exit.
 const ROUTER_EXTRA_GRACE: Duration = Duration::from_secs(5);
+
+/// A signal this soon after the first is the same one delivered twice (for
+/// example to the launcher and again to its process group by `timeout`), not
+/// a person asking a second time.
+const DUPLICATE_SIGNAL_WINDOW: Duration = Duration::from_millis(500);
 
 /// SIGTERM and SIGINT, installed before any child exists so none is missed.
 struct Signals {
@@ -90,6 +95,7 @@ pub async fn run(args: Args) -> Result<()> {
     if let Some(interrupt) = until(&mut children, &mut signals, shard::wait_all_healthy(&args)).await {
         return end(interrupt, &children, &mut signals, &args, true).await;
     }
+    tracing::info!("All shards answer Health; starting the router");
 
     let command = router::command(&exes.router, &args, &model.dir, &model.name);
     if let Err(e) = children.spawn(router::NAME, command) {
@@ -151,6 +157,7 @@ async fn child_failed(exited: Exited, children: &Children, starting: bool) -> Re
 /// requests within --shutdown-timeout), then the shards. A second signal
 /// cuts this short.
 async fn shut_down(sig: &str, children: &Children, signals: &mut Signals, args: &Args) -> Result<()> {
+    let first = Instant::now();
     let drain = Duration::from_secs(args.shutdown_timeout);
     tracing::info!(
         "Received {sig}: the router finishes in-flight requests (up to {}s), then the shards stop",
@@ -165,10 +172,21 @@ async fn shut_down(sig: &str, children: &Children, signals: &mut Signals, args: 
             tracing::info!("Stopped");
             Ok(())
         }
-        second = signals.recv() => {
+        second = second_signal(signals, first) => {
             tracing::warn!("Received a second signal ({second}): killing every child now");
             children.kill_all().await;
             bail!("stopped by a second signal ({second}); children were killed")
         }
+    }
+}
+
+/// The next signal that is not a duplicate of the one received at `first`.
+async fn second_signal(signals: &mut Signals, first: Instant) -> &'static str {
+    loop {
+        let sig = signals.recv().await;
+        if first.elapsed() >= DUPLICATE_SIGNAL_WINDOW {
+            return sig;
+        }
+        tracing::debug!("Ignoring {sig} {:?} after the first one", first.elapsed());
     }
 }

@@ -50,6 +50,7 @@ mod runner {
         ("children_die_when_the_launcher_is_killed", super::children_die_when_the_launcher_is_killed),
         ("a_second_signal_kills_everything_at_once", super::a_second_signal_kills_everything_at_once),
         ("json_output_prints_only_json_lines", super::json_output_prints_only_json_lines),
+        ("a_signal_delivered_twice_still_stops_in_order", super::a_signal_delivered_twice_still_stops_in_order),
     ];
 
     /// Runs every test whose name contains one of `filters` (all when none),
@@ -441,13 +442,27 @@ fn a_second_signal_kills_everything_at_once() {
     run.wait_ready();
     run.signal(Signal::SIGINT);
     run.wait_for_line("Received SIGINT: the router finishes in-flight requests", Duration::from_secs(3));
-    std::thread::sleep(Duration::from_millis(300));
+    std::thread::sleep(Duration::from_millis(700));
     let started = Instant::now();
     run.signal(Signal::SIGTERM);
     let status = run.wait_exit(Duration::from_secs(5));
     assert!(started.elapsed() < Duration::from_secs(3));
     assert_eq!(status.code(), Some(1));
     assert!(run.last_line().contains("stopped by a second signal (SIGTERM)"), "{}", run.output());
+    run.assert_no_child_left();
+}
+
+/// `timeout`, or a terminal's Ctrl-C reaching a process group, can deliver
+/// one signal twice within microseconds; that is not a second request.
+fn a_signal_delivered_twice_still_stops_in_order() {
+    let mut run = Run::start(&["--num-shard", "2"], &[]);
+    run.wait_ready();
+    run.signal(Signal::SIGTERM);
+    run.signal(Signal::SIGINT);
+    assert_eq!(run.wait_exit(Duration::from_secs(15)).code(), Some(0), "{}", run.output());
+    let events = run.events();
+    let drained = events.iter().position(|e| e == "router drained").unwrap();
+    assert!(events.iter().position(|e| e == "shard-0 sigterm").is_some_and(|t| t > drained), "{events:?}");
     run.assert_no_child_left();
 }
 
