@@ -242,9 +242,9 @@ impl FakeState {
             }
             // Attention reads slots [0, start): they must hold this prefix.
             let hashes = prefix_hashes(&r.tokens);
-            for pos in 0..w.start {
+            for (pos, &hash) in hashes.iter().enumerate().take(w.start) {
                 let slot = r.blocks[pos / bs] as usize * bs + pos % bs;
-                if self.kv[slot] != Some(hashes[pos]) {
+                if self.kv[slot] != Some(hash) {
                     return Err(format!("request {}: slot of token {pos} holds other KV", w.id));
                 }
             }
@@ -270,6 +270,8 @@ impl FakeState {
         Ok((live, work))
     }
 
+    // ClientError is the trait's error type, large because tonic::Status is.
+    #[allow(clippy::result_large_err)]
     fn step(&mut self, config: &FakeShardConfig, step: StepRequest) -> Result<StepResponse, ClientError> {
         self.steps.push(step.clone());
         if self.fail_steps > 0 {
@@ -294,8 +296,8 @@ impl FakeState {
             }
             let r = self.requests.get_mut(&w.id).expect("validated");
             let hashes = prefix_hashes(&r.tokens);
-            for pos in w.start..w.start + w.num_new {
-                self.kv[r.blocks[pos / bs] as usize * bs + pos % bs] = Some(hashes[pos]);
+            for (pos, &hash) in hashes.iter().enumerate().skip(w.start).take(w.num_new) {
+                self.kv[r.blocks[pos / bs] as usize * bs + pos % bs] = Some(hash);
             }
             r.num_computed = w.start + w.num_new;
             if r.num_computed < r.tokens.len() {

@@ -5,8 +5,9 @@
 //!   (requests listing it + 1 if the tree caches it): never negative;
 //! - no block has two writers: the block a request writes next is held by
 //!   it alone and is not in the tree;
-//! - a lookup returns only blocks whose KV is of exactly the prompt's tokens;
-//! and when everything has finished, free + cached = total.
+//! - a lookup returns only blocks whose KV is of exactly the prompt's tokens.
+//!
+//! When everything has finished, free + cached = total.
 
 use std::collections::HashMap;
 

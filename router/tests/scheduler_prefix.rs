@@ -129,3 +129,33 @@ async fn cache_on_and_off_generate_the_same_tokens() {
         assert_eq!(t, &expected_tokens(&fake, p, 5));
     }
 }
+
+#[tokio::test]
+async fn cached_prompts_go_first_but_nobody_is_passed_over_more_than_the_bound() {
+    let mut fake = fake_config(128, 4);
+    fake.latency = std::time::Duration::from_millis(2);
+    let mut config = scheduler_config(&fake);
+    config.max_batch_size = 1; // one request at a time: admission order is visible
+    let (infer, handle) = start(fake.clone(), config);
+
+    let shared: Vec<u32> = (1..=16).collect();
+    generate(&infer, shared.clone(), 1).await; // id 0: caches 4 blocks
+    let mut busy = infer.generate(request(vec![500, 501], 40)).await.unwrap(); // id 1
+    read(&mut busy, Some(1)).await;
+    // While id 1 runs: an uncached request (id 2), then 12 cached ones (3..15).
+    let mut streams = vec![infer.generate(request(vec![900, 901, 902], 2)).await.unwrap()];
+    for i in 0..12u32 {
+        let mut p = shared.clone();
+        p.push(600 + i);
+        streams.push(infer.generate(request(p, 2)).await.unwrap());
+    }
+    for mut s in streams {
+        let out = read(&mut s, None).await;
+        assert_eq!(out.error, None);
+    }
+    let admitted: Vec<u64> =
+        handle.steps().iter().flat_map(|s| s.new_requests.iter().map(|n| n.id).collect::<Vec<_>>()).collect();
+    // Cached ones overtake id 2 until it was passed over 8 times.
+    assert_eq!(admitted, vec![0, 1, 3, 4, 5, 6, 7, 8, 9, 10, 2, 11, 12, 13, 14]);
+    assert_no_leak(&infer, &handle).await;
+}

@@ -104,7 +104,7 @@ async fn steps_go_to_every_rank_and_rank_0_answers() {
     let response = group.step(step.clone()).await.unwrap();
     assert_eq!(response.generations[0].token_id, 1000, "rank 0's answer");
     for log in &logs {
-        assert_eq!(log.lock().unwrap().as_slice(), &[step.clone()]);
+        assert_eq!(log.lock().unwrap().as_slice(), std::slice::from_ref(&step));
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
