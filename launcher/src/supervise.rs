@@ -148,7 +148,12 @@ async fn child_failed(exited: Exited, children: &Children, starting: bool) -> Re
             tracing::error!("  {name}: {line}");
         }
     }
-    let last = tail.iter().rev().map(|l| l.trim()).find(|l| !l.is_empty()).unwrap_or("no output");
+    let last = tail
+        .iter()
+        .rev()
+        .map(|l| crate::log::message_of(l))
+        .find(|l| !l.is_empty())
+        .unwrap_or_else(|| "no output".to_string());
     let when = if starting { " while starting" } else { "" };
     bail!("{name} exited{when} ({status}): {last}")
 }
