@@ -9,6 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
+try:
+    import sluice_server  # noqa: F401 - installed (pip install .)
+except ImportError:  # a source checkout: test the tree this file is in
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from sluice_server.batch import RequestState, Work
 from sluice_server.model_runner import ModelRunner
 from sluice_server.pb import shard_pb2
