@@ -148,13 +148,18 @@ async fn child_failed(exited: Exited, children: &Children, starting: bool) -> Re
             tracing::error!("  {name}: {line}");
         }
     }
+    let when = if starting { " while starting" } else { "" };
+    // Killed by a signal (the OOM killer, a person): its last line is not
+    // about why, so it is not quoted.
+    if std::os::unix::process::ExitStatusExt::signal(&status).is_some() {
+        bail!("{name} exited{when} ({status})");
+    }
     let last = tail
         .iter()
         .rev()
         .map(|l| crate::log::message_of(l))
         .find(|l| !l.is_empty())
         .unwrap_or_else(|| "no output".to_string());
-    let when = if starting { " while starting" } else { "" };
     bail!("{name} exited{when} ({status}): {last}")
 }
 
