@@ -62,5 +62,8 @@ async fn no_block_leaks_after_1000_random_requests_with_cancellations() {
     }
     let stats = assert_no_leak(&infer, &handle).await;
     assert!(cached > 0, "shared prefixes were never served from cache");
+    // The load was sized to exercise every path of the allocator.
+    assert!(stats.preemptions > 0, "{stats:?}");
+    assert!(stats.evicted_blocks > 0, "{stats:?}");
     assert_eq!(stats.blocks_total, 96);
 }

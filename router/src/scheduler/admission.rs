@@ -26,6 +26,9 @@ use super::Scheduler;
 
 impl Scheduler {
     pub(crate) fn admit(&mut self, plan: &mut StepPlan, budget: &mut usize) {
+        if self.waiting.is_empty() || *budget == 0 || self.running.len() >= self.config.max_batch_size as usize {
+            return; // ranking walks the tree for every waiting request
+        }
         let order = admission_order(self.waiting.iter(), &self.kv);
         let mut latest_admitted = None;
         for id in order {
