@@ -119,25 +119,31 @@ def server(tmp_path_factory):
     )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START_TIMEOUT_S
+
+    def output() -> str:
+        return "\n".join(f"--- {n}.log\n" + (logs / f"{n}.log").read_text()[-3000:] for n in ("shard", "router"))
+
     try:
         while True:
             for name, proc in (("shard", shard), ("router", router)):
                 if proc.poll() is not None:
-                    pytest.fail(f"{name} exited: {(logs / (name + '.log')).read_text()[-3000:]}")
+                    pytest.fail(f"{name} exited with {proc.returncode}:\n{output()}")
             try:
                 if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                pytest.fail("router not ready: " + (logs / "router.log").read_text()[-3000:])
+                pytest.fail(f"router not ready after {START_TIMEOUT_S}s:\n{output()}")
             time.sleep(0.5)
         yield base
+        # SIGTERM: the router drains and exits 0, leaving the shard alone.
+        stop(router)
+        assert router.returncode == 0, output()
+        assert "shut down cleanly" in output()
     finally:
         stop(router)
         stop(shard)
-        # Graceful shutdown ends with exit code 0.
-        assert router.returncode == 0, (logs / "router.log").read_text()[-3000:]
 
 
 def sse(response: httpx.Response) -> list[str]:
@@ -222,3 +228,35 @@ def test_openapi_document_is_valid(server):
     document = httpx.get(f"{server}/openapi.json", timeout=10).json()
     validate(document)
     assert "/v1/chat/completions" in document["paths"]
+
+
+def test_hugging_face_clients_work_unchanged(server):
+    from huggingface_hub import InferenceClient
+    from text_generation import Client
+
+    client = Client(server, timeout=60)
+    response = client.generate("Hello", max_new_tokens=4, decoder_input_details=True)
+    assert response.details.generated_tokens == len(response.details.tokens)
+    streamed = list(client.generate_stream("Hello", max_new_tokens=4))
+    assert streamed[-1].generated_text == response.generated_text
+
+    hub = InferenceClient(base_url=server, timeout=60)
+    out = hub.text_generation("Hello", max_new_tokens=4, details=True)
+    assert out.generated_text == response.generated_text
+    chat = hub.chat_completion([{"role": "user", "content": "hi"}], max_tokens=4, temperature=0)
+    assert chat.choices[0].message.role == "assistant"
+    chunks = list(hub.chat_completion([{"role": "user", "content": "hi"}], max_tokens=4, temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+
+
+def test_openai_client_works_unchanged(server):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+    chat = client.chat.completions.create(
+        model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0)
+    assert chat.usage.prompt_tokens_details.cached_tokens >= 0
+    completion = client.completions.create(model="tiny-llama", prompt="Hello", max_tokens=3, echo=True, logprobs=1)
+    assert completion.choices[0].text.startswith("Hello")
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=1)

@@ -101,7 +101,26 @@ async fn connect(path: &str) -> Result<ShardGroup, String> {
 }
 
 async fn run(config: RouterConfig) -> Result<(), String> {
-    let files = load_model_files(&config)?;
+    // A signal while connecting or warming up (which can take minutes)
+    // ends the router at once, and cleanly.
+    let started = tokio::select! {
+        started = start(&config) => started?,
+        () = wait_for_signal() => {
+            tracing::info!("signal received during startup: exiting");
+            return Ok(());
+        }
+    };
+    serve(&config, started).await
+}
+
+/// What startup hands to `serve`.
+struct Started {
+    infer: Infer,
+    state: Arc<AppState>,
+}
+
+async fn start(config: &RouterConfig) -> Result<Started, String> {
+    let files = load_model_files(config)?;
     let mut shards = connect(&config.master_shard_uds_path).await?;
     let shard_info = shards.info().await.map_err(|e| format!("Info failed: {e}"))?;
     let limits = config
@@ -192,6 +211,10 @@ async fn run(config: RouterConfig) -> Result<(), String> {
         api_key: config.api_key.clone(),
         started: Instant::now(),
     });
+    Ok(Started { infer, state })
+}
+
+async fn serve(config: &RouterConfig, Started { infer, state }: Started) -> Result<(), String> {
     let app = http::app(
         state.clone(),
         &HttpOptions {

@@ -79,12 +79,14 @@ impl AppState {
         &self.model_names[0]
     }
 
-    /// Accepts the served name, the model id, and "tgi" (what
-    /// huggingface_hub's InferenceClient sends when given a URL).
+    /// Accepts the served name, the model id, and the placeholders
+    /// huggingface_hub's InferenceClient sends when given a server URL
+    /// instead of a model ("tgi", "dummy"); anything else is 404.
     pub fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+        const CLIENT_PLACEHOLDERS: [&str; 2] = ["tgi", "dummy"];
         match model {
             None => Ok(()),
-            Some(m) if m == "tgi" || self.model_names.iter().any(|n| n == m) => Ok(()),
+            Some(m) if CLIENT_PLACEHOLDERS.contains(&m) || self.model_names.iter().any(|n| n == m) => Ok(()),
             Some(m) => Err(crate::validation::ValidationError::ModelNotFound(m.to_string()).into()),
         }
     }
