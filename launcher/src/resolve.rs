@@ -82,13 +82,21 @@ pub async fn resolve(server: &Path, args: &Args, lines: ChildLines) -> Result<Mo
     }
     let name = match &args.model_id {
         Some(id) => id.clone(),
-        None => dir
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| BUNDLED_MODEL.to_string()),
+        None => bundled_name(&dir),
     };
     tracing::info!("Model `{model_id}` is in {}", dir.display());
     Ok(Model { dir, name })
+}
+
+/// The API name of the bundled model: its folder's name without the content
+/// hash a converted .gguf folder ends with ("NAME.Q4_1-0123456789abcdef").
+fn bundled_name(dir: &Path) -> String {
+    let folder = dir.file_name().map(|n| n.to_string_lossy().into_owned());
+    let Some(folder) = folder else { return BUNDLED_MODEL.to_string() };
+    match folder.rsplit_once('-') {
+        Some((stem, hash)) if hash.len() == 16 && hash.bytes().all(|b| b.is_ascii_hexdigit()) => stem.to_string(),
+        _ => folder,
+    }
 }
 
 /// One line: what failed and the child's own last words about it.
@@ -127,6 +135,14 @@ mod tests {
             argv,
             ["download-weights", "bundled", "--revision", "r1", "--huggingface-hub-cache", "/c", "--json-output"]
         );
+    }
+
+    #[test]
+    fn the_bundled_model_is_named_after_its_folder_without_the_hash() {
+        let dir = Path::new("/cache/sluice-gguf/SmolLM2-135M-Instruct.Q4_1-01e863931daebf86");
+        assert_eq!(bundled_name(dir), "SmolLM2-135M-Instruct.Q4_1");
+        assert_eq!(bundled_name(Path::new("/m/SmolLM2-135M-Instruct")), "SmolLM2-135M-Instruct");
+        assert_eq!(bundled_name(Path::new("/")), BUNDLED_MODEL);
     }
 
     #[test]
