@@ -100,8 +100,13 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    folder = make_model(tmp_path_factory.mktemp("tiny-router-model"))
+def model_dir(tmp_path_factory) -> Path:
+    return make_model(tmp_path_factory.mktemp("tiny-router-model"))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, model_dir):
+    folder = model_dir
     uds = str(tmp_path_factory.mktemp("sock") / "shard")
     logs = tmp_path_factory.mktemp("logs")
     env = dict(os.environ, PYTHONPATH=str(REPO / "server"), OMP_NUM_THREADS="1")
@@ -260,3 +265,29 @@ def test_openai_client_works_unchanged(server):
     assert completion.choices[0].text.startswith("Hello")
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
+
+
+def test_port_in_use_is_one_clear_error(tmp_path, model_dir):
+    uds = str(tmp_path / "shard")
+    env = dict(os.environ, PYTHONPATH=str(REPO / "server"), OMP_NUM_THREADS="1")
+    shard = subprocess.Popen(
+        [sys.executable, "-m", "sluice_server.cli", "serve", str(model_dir), "--uds-path", uds,
+         "--kv-cache-bytes", str(8 << 20), "--num-threads", "1"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    taken = socket.socket()
+    try:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        router = subprocess.run(
+            [router_binary(), "--master-shard-uds-path", f"{uds}-0", "--tokenizer", str(model_dir),
+             "--hostname", "127.0.0.1", "--port", str(port), "--max-total-tokens", "128"],
+            capture_output=True, text=True, timeout=START_TIMEOUT_S,
+        )
+    finally:
+        taken.close()
+        stop(shard)
+    assert router.returncode != 0
+    errors = [line for line in router.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and f"cannot listen on 127.0.0.1:{port}" in errors[0], router.stderr
