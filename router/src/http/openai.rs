@@ -765,6 +765,8 @@ fn completion_stream(
     );
     let events = async_stream::stream! {
         let (mut completion_tokens, mut cached) = (0u32, 0u32);
+        // Per choice: byte offset of the next token's text (after the echo).
+        let mut offsets: Vec<usize> = (0..count).map(|i| echoes[i / n as usize].len()).collect();
         for index in 0..count {
             let echo = &echoes[index / n as usize];
             if !echo.is_empty() {
@@ -775,14 +777,16 @@ fn completion_stream(
         while let Some((index, event)) = merged.next().await {
             match event {
                 Ok(GenEvent::Prefill { cached_tokens, .. }) => cached += cached_tokens,
-                Ok(GenEvent::Token { token, visible, .. }) => {
+                Ok(GenEvent::Token { token, text, visible }) => {
                     let tokenizer = &state.validation.tokenizer;
+                    let text_offset = offsets[index];
+                    offsets[index] += text.len();
                     let logprobs = want_logprobs.then(|| CompletionLogprobs {
                         tokens: vec![tokenizer.token_text(token.token_id)],
                         token_logprobs: vec![Some(token.logprob)],
                         top_logprobs: vec![(top > 0).then(|| token.top_tokens.iter().take(top as usize)
                             .map(|t| (tokenizer.token_text(t.token_id), t.logprob)).collect())],
-                        text_offset: vec![0],
+                        text_offset: vec![text_offset],
                     });
                     if !visible.is_empty() || logprobs.is_some() {
                         let choice = CompletionChoice { index: index as u32, text: visible, logprobs, finish_reason: None };

@@ -230,6 +230,30 @@ async fn stop_sequence_cuts_the_text_and_finishes_with_stop() {
 }
 
 #[tokio::test]
+async fn streamed_stop_sequence_is_cut_across_tokens() {
+    let (app, _) = build(Setup::default());
+    let base = json!({"model": "tiny", "prompt": [1, 263, 264], "max_tokens": 12, "temperature": 0});
+    let (_, full) = post(&app, "/v1/completions", base.clone()).await;
+    let text = full["choices"][0]["text"].as_str().unwrap().to_string();
+    let chars: Vec<char> = text.chars().collect();
+    // Three characters: with the byte-fallback test tokenizer a character
+    // is one or more tokens, so the stop sequence spans token boundaries.
+    let stop: String = chars[4..7].iter().collect();
+    let expected = &text[..text.find(&stop).unwrap()];
+    let mut body = base;
+    body["stop"] = json!([stop]);
+    body["stream"] = json!(true);
+    let (status, _, sse) = call(&app, "POST", "/v1/completions", Some(body)).await;
+    assert_eq!(status, StatusCode::OK);
+    let payloads = sse_payloads(&sse);
+    assert_eq!(payloads.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = payloads[..payloads.len() - 1].iter().map(|p| serde_json::from_str(p).unwrap()).collect();
+    let streamed: String = chunks.iter().map(|c| c["choices"][0]["text"].as_str().unwrap()).collect();
+    assert_eq!(streamed, expected);
+    assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "stop");
+}
+
+#[tokio::test]
 async fn bad_requests_get_precise_errors() {
     let (app, _) = build(Setup::default());
     let (status, body) = post(&app, "/v1/chat/completions", json!({"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]})).await;
