@@ -71,8 +71,14 @@ class Shard:
         self.requests.clear()
 
     def health_check(self) -> None:
-        """One token through the whole model in a scratch cache; raises on failure."""
-        self.runner.forward_probe()
+        """One token through the whole model in a scratch cache; raises on failure.
+
+        With several ranks a forward pass is a collective: a Health call that
+        one rank served before a concurrent Step and another after would pair
+        mismatched all-reduces. There, answering at all is the health signal.
+        """
+        if not self.runner.dist.is_parallel:
+            self.runner.forward_probe()
 
     def step(self, req: shard_pb2.StepRequest) -> shard_pb2.StepResponse:
         t0 = time.perf_counter()
