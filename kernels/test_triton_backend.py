@@ -11,7 +11,8 @@ import torch
 
 from sluice_server import model_runner as model_runner_module
 from sluice_server.batch import RequestState, Work, build_batch
-from sluice_server.layers.attention import TorchAttention
+from sluice_server.layers.attention import TorchAttention, get_backend
+from sluice_server.layers.ops import TritonOps
 from sluice_server.layers.triton_attention import TritonAttention
 from sluice_server.pb import shard_pb2
 
@@ -97,13 +98,20 @@ def tiny_llama(folder):
     return model
 
 
-def test_tiny_llama_end_to_end_on_triton(tmp_path, monkeypatch):
+def test_tiny_llama_end_to_end_on_triton(tmp_path):
     """Same logits as transformers for a prompt run as two chunks then
     decodes, batched with a second request that reuses its cached prefix."""
     model = tiny_llama(tmp_path)
-    monkeypatch.setattr(model_runner_module, "get_backend", lambda dev: TritonAttention(num_splits=2))
-    runner = model_runner_module.ModelRunner(tmp_path, dtype="float32", device=str(device()), block_size=4)
-    assert runner.backend.name == "triton"
+    # Through the shard's own selection: on CPU "triton" is allowed because
+    # the kernel tests run under TRITON_INTERPRET=1.
+    runner = model_runner_module.ModelRunner(
+        tmp_path, dtype="float32", device=str(device()), block_size=4, attention_backend="triton"
+    )
+    assert runner.backend.name == "triton" and isinstance(runner.backend.ops, TritonOps)
+    # Every layer dispatches to the fused kernels, not to torch.
+    layer = runner.model.model.layers[0]
+    assert layer.input_layernorm.ops is runner.backend.ops and layer.mlp.ops is runner.backend.ops
+    runner.backend.num_splits = 2  # cover the split-KV merge on CPU too
     runner.allocate_kv_cache(32)
     tokens = torch.randint(3, 128, (30,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
@@ -137,3 +145,19 @@ def test_tiny_llama_end_to_end_on_triton(tmp_path, monkeypatch):
     for rid, start, end in ((1, 0, 30), (2, 10, 26)):
         rows = torch.stack([got[(rid, p)] for p in range(start, end)])
         torch.testing.assert_close(rows, want[start:end].float(), atol=1e-4, rtol=0)
+
+
+def test_backend_selection(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert get_backend(cpu, "auto").name == "torch"
+    assert get_backend(cpu, "torch").name == "torch"
+    assert get_backend(cpu, "triton").name == "triton"  # TRITON_INTERPRET=1 here
+    from sluice_server.layers.attention import resolve_backend_name
+
+    assert resolve_backend_name("auto", cuda) == "triton"
+    assert resolve_backend_name("torch", cuda) == "torch"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="needs a CUDA device.*TRITON_INTERPRET=1"):
+        get_backend(cpu, "triton")
+    with pytest.raises(ValueError, match="'flash' is not one of auto, torch, triton"):
+        get_backend(cpu, "flash")

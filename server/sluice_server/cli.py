@@ -2,7 +2,7 @@
 
     sluice-server serve MODEL_DIR --uds-path PATH [--dtype auto|float32|bfloat16|float16]
                   [--device cpu|cuda] [--kv-cache-bytes N] [--block-size 16]
-                  [--num-threads N] [--json-output]
+                  [--num-threads N] [--attention-backend auto|torch|triton] [--json-output]
         Rank r (RANK, default 0) listens on unix://PATH-r and logs
         "Server started at unix://PATH-r" once it accepts calls.
         SIGTERM/SIGINT: stop, remove the socket, exit 0.
@@ -72,6 +72,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     serve.add_argument("--kv-cache-bytes", type=int, default=None,
                        help="KV cache size on CPU (default: 30%% of available RAM at warmup)")
     serve.add_argument("--block-size", type=int, default=16)
+    serve.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                       help="auto: triton on CUDA, torch on CPU (triton on CPU needs TRITON_INTERPRET=1)")
     serve.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     serve.add_argument("--json-output", action="store_true")
     serve.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "info"))
@@ -103,7 +105,10 @@ async def serve(args: argparse.Namespace) -> int:
         raise RuntimeError("--device cuda: no CUDA device is available")
     dist = init_distributed(device)
     started = time.perf_counter()
-    runner = ModelRunner(args.model_dir, dtype=args.dtype, device=args.device, block_size=args.block_size, dist=dist)
+    runner = ModelRunner(
+        args.model_dir, dtype=args.dtype, device=args.device, block_size=args.block_size, dist=dist,
+        attention_backend=args.attention_backend,
+    )
     log.info("loaded %s (%s, %s) in %.1fs", args.model_dir, runner.model_type, runner.dtype, time.perf_counter() - started)
 
     urls = [f"unix://{socket_path(args.uds_path, r)}" for r in range(dist.world_size)]

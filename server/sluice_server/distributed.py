@@ -30,6 +30,16 @@ class Distributed:
             dist.all_reduce(x)
         return x
 
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest `value` any rank passed (a collective: every rank calls it)."""
+        if not self.is_parallel:
+            return value
+        # NCCL reduces only CUDA tensors; gloo takes CPU ones.
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenates every rank's `x` along the last dimension, rank order."""
         if not self.is_parallel:

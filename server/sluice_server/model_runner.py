@@ -84,6 +84,7 @@ class ModelRunner:
         device: str = "cpu",
         block_size: int = 16,
         dist: Distributed = SINGLE,
+        attention_backend: str = "auto",
     ):
         self.model_dir = Path(model_dir)
         config_path = self.model_dir / "config.json"
@@ -94,7 +95,7 @@ class ModelRunner:
         self.dtype = choose_dtype(dtype, self.device, self.config)
         self.block_size = block_size
         self.dist = dist
-        self.backend = get_backend(self.device)
+        self.backend = get_backend(self.device, attention_backend)
         self.model = build_model(self.config, dist, self.backend, self.dtype, self.device)
         load_weights(self.model, self.model_dir)
         cfg = self.model.config
@@ -103,7 +104,8 @@ class ModelRunner:
         self.max_position_embeddings: int = cfg.max_position_embeddings
         self.eos_token_ids = eos_token_ids(self.model_dir, self.config)
         self.num_layers = cfg.num_hidden_layers
-        self.num_kv_heads = cfg.num_key_value_heads // dist.world_size
+        # This rank's key/value heads (replicated ones count: each rank caches its own).
+        self.num_kv_heads = self.model.num_local_kv_heads
         self.head_dim = cfg.head_dim
         self.kv_cache: KVCache | None = None
 
@@ -166,7 +168,8 @@ class ModelRunner:
             budget = kv_cache_bytes
         else:
             budget = int(available_ram_bytes() * CPU_KV_FRACTION)
-        num_blocks = max(budget, 0) // per_block
+        # Every rank holds the same block ids, so all use the smallest count.
+        num_blocks = self.dist.min_over_ranks(max(budget, 0) // per_block)
         needed = -(-max_total_tokens // self.block_size)
         if num_blocks < needed:
             raise KVBudgetError(

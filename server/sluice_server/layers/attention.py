@@ -21,8 +21,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+import os
+
 import torch
 import torch.nn.functional as F
+
+from sluice_server.layers.ops import TorchOps
 
 
 @dataclass
@@ -51,9 +55,14 @@ class AttentionMetadata:
 
 
 class AttentionBackend(ABC):
-    """Computes attention for a flattened batch against a paged KV cache."""
+    """Computes attention for a flattened batch against a paged KV cache.
+
+    `ops` holds the matching small ops (RMSNorm, rotary, SiLU-and-mul) that
+    the layers call, so one choice of backend switches the whole layer.
+    """
 
     name: str
+    ops: TorchOps
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Called once per step before the layers run; may fill meta.backend_state."""
@@ -103,6 +112,9 @@ class TorchAttention(AttentionBackend):
     """
 
     name = "torch"
+
+    def __init__(self):
+        self.ops = TorchOps()
 
     def prepare(self, meta: AttentionMetadata) -> None:
         nd = meta.num_decodes
@@ -160,6 +172,34 @@ class TorchAttention(AttentionBackend):
         return out
 
 
-def get_backend(device: torch.device) -> AttentionBackend:
-    """The attention backend for a device (torch everywhere until kernels land)."""
-    return TorchAttention()
+BACKENDS = ("auto", "torch", "triton")
+
+
+def triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def resolve_backend_name(requested: str, device: torch.device) -> str:
+    """`auto`: triton on CUDA, torch on CPU. Triton on CPU runs only under
+    Triton's interpreter (TRITON_INTERPRET=1: tests), never by accident."""
+    if requested not in BACKENDS:
+        raise ValueError(f"attention backend {requested!r} is not one of {', '.join(BACKENDS)}")
+    if requested == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if requested == "triton" and device.type != "cuda" and not triton_interpreting():
+        raise ValueError(
+            f"attention backend 'triton' needs a CUDA device (device is {device.type}); "
+            "on CPU it runs only under Triton's interpreter (TRITON_INTERPRET=1)"
+        )
+    return requested
+
+
+def get_backend(device: torch.device, requested: str = "auto") -> AttentionBackend:
+    """The attention backend (and its small ops) for `device`; see resolve_backend_name."""
+    if resolve_backend_name(requested, device) == "torch":
+        return TorchAttention()
+    try:
+        from sluice_server.layers.triton_attention import TritonAttention
+    except ImportError as e:
+        raise ValueError(f"attention backend 'triton' is unavailable: {e}") from None
+    return TritonAttention()

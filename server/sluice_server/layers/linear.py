@@ -34,16 +34,30 @@ class ColumnParallelLinear(nn.Module):
     local weight is the concatenation of every piece's local rows:
 
         local rows: [ q[rank] | k[rank] | v[rank] ]
+
+    `ranges` (optional) gives each piece's [start, end) rows on this rank
+    explicitly, for pieces that are not an even split (key/value heads
+    replicated when there are fewer of them than ranks); default: the rank's
+    equal share of each piece.
     """
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, dist: Distributed):
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool,
+        dist: Distributed,
+        ranges: list[tuple[int, int]] | None = None,
+    ):
         super().__init__()
         self.dist = dist
         self.input_size = input_size
         self.output_sizes = list(output_sizes)
-        self.local_sizes = [s // dist.world_size for s in output_sizes]
-        for s in output_sizes:
-            shard_range(s, dist)  # raises when a piece does not split evenly
+        # shard_range raises when a piece does not split evenly.
+        self.ranges = list(ranges) if ranges is not None else [shard_range(s, dist) for s in output_sizes]
+        if len(self.ranges) != len(output_sizes):
+            raise ValueError(f"{len(self.ranges)} row ranges for {len(output_sizes)} pieces")
+        self.local_sizes = [end - start for start, end in self.ranges]
         local_out = sum(self.local_sizes)
         self.weight = nn.Parameter(torch.empty(local_out, input_size), requires_grad=False)
         self.weight.weight_loader = self._load
@@ -59,7 +73,7 @@ class ColumnParallelLinear(nn.Module):
         full = self.output_sizes[shard_id]
         want = (full, self.input_size) if param.dim() == 2 else (full,)
         _check_shape("column-parallel weight", checkpoint.get_shape(), want)
-        start, end = shard_range(full, self.dist)
+        start, end = self.ranges[shard_id]
         offset = sum(self.local_sizes[:shard_id])
         param.data[offset : offset + end - start].copy_(checkpoint[start:end])
 

@@ -1,23 +1,24 @@
-"""RMSNorm as in Llama: normalize in float32, scale in the model dtype."""
+"""RMSNorm as in Llama: normalize in float32, scale in the model dtype.
+
+The arithmetic is the backend's (`layers.ops`): eager torch, or one fused
+Triton kernel that also adds the residual.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from sluice_server.layers.ops import TorchOps
+
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float):
+    def __init__(self, hidden_size: int, eps: float, ops: TorchOps | None = None):
         super().__init__()
         self.eps = eps
+        self.ops = ops or TorchOps()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.weight.weight_loader = lambda p, ckpt, shard_id=0: p.data.copy_(ckpt[:])
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -26,6 +27,4 @@ class RMSNorm(nn.Module):
 
         With `residual` None the sum is just `x`.
         """
-        if residual is not None:
-            x = x + residual
-        return self._norm(x), x
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)

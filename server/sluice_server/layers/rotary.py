@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from sluice_server.layers.ops import RotaryTables, rotary_tables
+
 
 def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
     """The rope settings of a config.json, old (rope_theta + rope_scaling) or new
@@ -60,6 +62,10 @@ class RotaryEmbedding:
         freqs = positions.float().unsqueeze(-1) * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def tables(self, positions: torch.Tensor) -> RotaryTables:
+        """The step's cos/sin for `ops.rotary_` (float32 [T, D/2])."""
+        return rotary_tables(positions, self.inv_freq)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

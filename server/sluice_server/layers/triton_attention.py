@@ -15,6 +15,7 @@ import torch
 from sluice_server.kernels.paged_attention import AttentionPlan, paged_attention, plan_attention
 from sluice_server.kernels.reshape_and_cache import reshape_and_cache
 from sluice_server.layers.attention import AttentionBackend, AttentionMetadata
+from sluice_server.layers.ops import TritonOps
 
 
 class TritonAttention(AttentionBackend):
@@ -26,6 +27,7 @@ class TritonAttention(AttentionBackend):
     def __init__(self, num_splits: int | None = None, prefill_block_m: int = 64):
         self.num_splits = num_splits
         self.prefill_block_m = prefill_block_m
+        self.ops = TritonOps()
 
     def prepare(self, meta: AttentionMetadata) -> None:
         meta.backend_state["triton_plans"] = {}

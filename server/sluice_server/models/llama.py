@@ -22,14 +22,14 @@ from typing import Any
 
 import torch
 from torch import nn
-import torch.nn.functional as F
 
-from sluice_server.distributed import Distributed
+from sluice_server.distributed import Distributed, shard_range
 from sluice_server.layers.attention import AttentionBackend, AttentionMetadata
 from sluice_server.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from sluice_server.layers.linear import ColumnParallelLinear, RowParallelLinear
 from sluice_server.layers.norm import RMSNorm
-from sluice_server.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from sluice_server.layers.ops import RotaryTables
+from sluice_server.layers.rotary import RotaryEmbedding, rope_parameters
 
 
 @dataclass(frozen=True)
@@ -77,58 +77,93 @@ class LlamaConfig:
         )
 
 
+def check_tensor_parallel(cfg: LlamaConfig, world_size: int) -> None:
+    """Raises one clear error, naming the numbers, when the model does not
+    split evenly over `world_size` shards: query heads and the MLP width must
+    divide; key/value heads must divide, or divide the shard count (then each
+    is replicated on world_size / num_kv_heads shards)."""
+    problems = []
+    if cfg.num_attention_heads % world_size:
+        problems.append(f"num_attention_heads={cfg.num_attention_heads} is not divisible by {world_size}")
+    kv = cfg.num_key_value_heads
+    if kv % world_size and world_size % kv:
+        problems.append(f"num_key_value_heads={kv} neither divides nor is divisible by {world_size}")
+    if cfg.intermediate_size % world_size:
+        problems.append(f"intermediate_size={cfg.intermediate_size} is not divisible by {world_size}")
+    if problems:
+        raise ValueError(f"the model cannot be split over {world_size} shards: " + "; ".join(problems))
+
+
+def kv_head_range(cfg: LlamaConfig, dist: Distributed) -> tuple[int, int]:
+    """This rank's [first, last) key/value heads.
+
+    Enough heads: an equal share. Fewer heads than ranks: R = world / Hkv
+    consecutive ranks hold a copy of the same head, which is the head their
+    query heads use (query head h reads kv head h // (Hq / Hkv)):
+
+        world 4, Hq 8, Hkv 2:  rank    0     1     2     3
+                               q heads 0-1   2-3   4-5   6-7
+                               kv head 0     0     1     1
+    """
+    kv = cfg.num_key_value_heads
+    if kv >= dist.world_size:
+        return shard_range(kv, dist)
+    head = dist.rank // (dist.world_size // kv)
+    return head, head + 1
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: LlamaConfig, dist: Distributed, backend: AttentionBackend):
         super().__init__()
-        if cfg.num_attention_heads % dist.world_size or cfg.num_key_value_heads % dist.world_size:
-            raise ValueError(
-                f"{cfg.num_attention_heads} query / {cfg.num_key_value_heads} key-value heads "
-                f"do not split over {dist.world_size} shards"
-            )
+        check_tensor_parallel(cfg, dist.world_size)
         self.num_heads = cfg.num_attention_heads // dist.world_size
-        self.num_kv_heads = cfg.num_key_value_heads // dist.world_size
+        first_kv, last_kv = kv_head_range(cfg, dist)
+        self.num_kv_heads = last_kv - first_kv
         self.head_dim = d = cfg.head_dim
         self.backend = backend
+        kv_rows = (first_kv * d, last_kv * d)
         self.qkv_proj = ColumnParallelLinear(
             cfg.hidden_size,
             [cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.num_key_value_heads * d],
             bias=cfg.qkv_bias,
             dist=dist,
+            ranges=[shard_range(cfg.num_attention_heads * d, dist), kv_rows, kv_rows],
         )
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, bias=cfg.o_bias, dist=dist)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
+    def forward(self, x, rotary: RotaryTables, k_cache, v_cache, meta: AttentionMetadata):
         t, d = x.shape[0], self.head_dim
         q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
-        q = apply_rotary(q.view(t, self.num_heads, d), cos, sin)
-        k = apply_rotary(k.view(t, self.num_kv_heads, d), cos, sin)
-        o = self.backend.forward(q, k, v.view(t, self.num_kv_heads, d), k_cache, v_cache, meta)
+        q, k, v = q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d), v.view(t, self.num_kv_heads, d)
+        self.backend.ops.rotary_(q, k, rotary)  # in place, on views of the qkv output
+        o = self.backend.forward(q, k, v, k_cache, v_cache, meta)
         return self.o_proj(o.view(t, self.num_heads * d))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig, dist: Distributed):
+    def __init__(self, cfg: LlamaConfig, dist: Distributed, backend: AttentionBackend):
         super().__init__()
+        self.ops = backend.ops
         size = cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [size, size], bias=cfg.mlp_bias, dist=dist)
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, bias=cfg.mlp_bias, dist=dist)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        # gate_up's local rows are [gate[rank] | up[rank]], what silu_mul expects.
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: LlamaConfig, dist: Distributed, backend: AttentionBackend):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.ops)
         self.self_attn = LlamaAttention(cfg, dist, backend)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg, dist)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.ops)
+        self.mlp = LlamaMLP(cfg, dist, backend)
 
-    def forward(self, x, residual, cos, sin, k_cache, v_cache, meta):
+    def forward(self, x, residual, rotary, k_cache, v_cache, meta):
         h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, cos, sin, k_cache, v_cache, meta)
+        h = self.self_attn(h, rotary, k_cache, v_cache, meta)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -138,7 +173,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dist)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dist, backend) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.ops)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -156,6 +191,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: dict[str, Any], dist: Distributed, backend: AttentionBackend):
         super().__init__()
         self.config = cfg = LlamaConfig.from_dict(config)
+        check_tensor_parallel(cfg, dist.world_size)
+        first_kv, last_kv = kv_head_range(cfg, dist)
+        self.num_local_kv_heads = last_kv - first_kv
         self.model = LlamaModel(cfg, dist, backend)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dist)
         if cfg.tie_word_embeddings:
@@ -171,10 +209,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final hidden states [T, hidden]."""
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        rotary = self.rotary.tables(positions)
         residual = None
         for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches):
-            x, residual = layer(x, residual, cos, sin, k_cache, v_cache, meta)
+            x, residual = layer(x, residual, rotary, k_cache, v_cache, meta)
         x, _ = self.model.norm(x, residual)
         return x
 
