@@ -159,3 +159,28 @@ async fn cached_prompts_go_first_but_nobody_is_passed_over_more_than_the_bound()
     assert_eq!(admitted, vec![0, 1, 3, 4, 5, 6, 7, 8, 9, 10, 2, 11, 12, 13, 14]);
     assert_no_leak(&infer, &handle).await;
 }
+
+#[tokio::test]
+async fn blocks_are_cached_as_soon_as_they_are_filled_not_when_the_request_ends() {
+    let fake = fake_config(64, 4);
+    let (infer, handle) = start(fake.clone(), scheduler_config(&fake));
+    // A keeps decoding; its prompt's 2 full blocks were computed by its
+    // first step and are cached from then on.
+    let a_prompt: Vec<u32> = (1..=10).collect();
+    let mut a_request = request(a_prompt.clone(), 40);
+    a_request.ignore_eos = true;
+    let mut a_stream = infer.generate(a_request).await.expect("accepted");
+    let mut a = read(&mut a_stream, Some(2)).await;
+
+    let mut b_prompt: Vec<u32> = (1..=9).collect();
+    b_prompt.extend([60, 61]);
+    let b = generate(&infer, b_prompt.clone(), 3).await;
+    assert_eq!(b.cached_tokens, 8, "B reuses A's blocks while A still runs");
+    assert_eq!(&new_request(&handle, 1).block_ids[..2], &new_request(&handle, 0).block_ids[..2]);
+    assert_eq!(b.tokens, expected_tokens(&fake, &b_prompt, 3));
+
+    read_into(&mut a_stream, &mut a, None).await;
+    assert_eq!(a.tokens.len(), 40);
+    assert!(a.error.is_none());
+    assert_no_leak(&infer, &handle).await;
+}

@@ -1,9 +1,12 @@
 //! Applying a step's result: advance computed tokens, stream events, stop
 //! requests (EOS, max_new_tokens, a shard error).
 //!
-//! A finished request's computed KV (prompt + generated, except the token
-//! sampled last, which has no KV yet) goes into the prefix tree, so a
-//! follow-up turn of the same conversation starts from cache.
+//! Every block a step fills enters the prefix tree at once (a full block is
+//! never written again), so requests sharing a prefix with a running one
+//! reuse it without waiting for it to finish. A finished request's computed
+//! KV (prompt + generated, except the token sampled last, which has no KV
+//! yet) is then already cached, so a follow-up turn of the same conversation
+//! starts from cache.
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -68,7 +71,15 @@ impl Scheduler {
             }
             let r = &mut self.running[index];
             r.on_shard = true;
+            let bs = self.config.block_size as usize;
+            let filled_before = r.num_computed / bs;
             r.num_computed += entry.num_new;
+            if r.num_computed / bs > filled_before {
+                // Blocks this step filled are final: cache them now, not at
+                // the end, so requests admitted while this one still runs
+                // (concurrent users of one system prompt) reuse them.
+                self.kv.cache_full_blocks(&r.blocks, r.computed_tokens());
+            }
             if r.num_computed < r.tokens.len() {
                 continue; // a prefill chunk
             }

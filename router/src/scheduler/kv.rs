@@ -84,6 +84,17 @@ impl KvCache {
         (0..wanted).map_while(|_| self.alloc.allocate()).collect()
     }
 
+    /// Caches the full blocks among a running request's computed tokens
+    /// (`tokens`: the tokens whose KV is in `blocks`). The request keeps its
+    /// references; the tree adds its own. A block whose tokens the tree
+    /// already holds under another block stays the request's alone.
+    pub fn cache_full_blocks(&mut self, blocks: &[BlockId], tokens: &[u32]) {
+        if let Some(tree) = self.tree.as_mut() {
+            let full = (tokens.len() / self.block_size).min(blocks.len());
+            tree.insert(&tokens[..full * self.block_size], &blocks[..full], &mut self.alloc);
+        }
+    }
+
     /// Gives back a request's blocks. With `cache_tokens`, the tokens whose
     /// KV is in the blocks: the full blocks among them enter the tree first.
     pub fn release(&mut self, blocks: &[BlockId], cache_tokens: Option<&[u32]>) {
