@@ -107,11 +107,14 @@ pub struct Args {
     #[arg(long, env = "HF_HUB_CACHE")]
     pub huggingface_hub_cache: Option<PathBuf>,
 
-    /// OpenTelemetry OTLP endpoint for traces (accepted; exporting is not implemented yet).
+    /// OpenTelemetry OTLP/gRPC endpoint (e.g. http://localhost:4317): the
+    /// router and the shards export traces there; no tracing when unset.
     #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
     pub otlp_endpoint: Option<String>,
 
-    /// OpenTelemetry service name.
+    /// OpenTelemetry service name of the router (default sluice-router); the
+    /// shards report as NAME-shard (default sluice-shard), with their rank as
+    /// the `sluice.rank` resource attribute.
     #[arg(long, env = "OTEL_SERVICE_NAME")]
     pub otlp_service_name: Option<String>,
 

@@ -46,6 +46,10 @@ pub fn command(server: &Path, args: &Args, model_dir: &Path, rank: u32) -> Comma
     if args.json_output {
         command.arg("--json-output");
     }
+    if let Some(endpoint) = &args.otlp_endpoint {
+        command.arg("--otlp-endpoint").arg(endpoint);
+        command.arg("--otlp-service-name").arg(shard_service_name(args.otlp_service_name.as_deref()));
+    }
     command
         .env("RANK", rank.to_string())
         .env("LOCAL_RANK", rank.to_string())
@@ -54,6 +58,14 @@ pub fn command(server: &Path, args: &Args, model_dir: &Path, rank: u32) -> Comma
         .env("MASTER_ADDR", &args.master_addr)
         .env("MASTER_PORT", args.master_port.to_string());
     command
+}
+
+/// The shards' OpenTelemetry service name: the router's name + "-shard".
+pub fn shard_service_name(router_name: Option<&str>) -> String {
+    match router_name {
+        Some(name) => format!("{name}-shard"),
+        None => "sluice-shard".to_string(),
+    }
 }
 
 /// The shard's `--device`: `auto` means CUDA when an NVIDIA GPU is visible.
@@ -187,6 +199,24 @@ mod tests {
             ["serve", "/m", "--uds-path", "/s", "--block-size", "32", "--device", "cpu", "--dtype", "float16",
              "--kv-cache-bytes", "1024", "--json-output"]
         );
+    }
+
+    #[test]
+    fn tracing_flags_reach_the_shards() {
+        let args = test_args(&["--otlp-endpoint", "http://c:4317", "--device", "cpu"]);
+        let cmd = command(Path::new("srv"), &args, Path::new("/m"), 1);
+        let argv = argv(&cmd);
+        assert_eq!(
+            argv[argv.len() - 4..],
+            ["--otlp-endpoint", "http://c:4317", "--otlp-service-name", "sluice-shard"]
+        );
+        let args = test_args(&["--otlp-endpoint", "http://c:4317", "--otlp-service-name", "llm"]);
+        let cmd = command(Path::new("srv"), &args, Path::new("/m"), 0);
+        assert_eq!(argv_last(&cmd), "llm-shard");
+    }
+
+    fn argv_last(cmd: &Command) -> String {
+        argv(cmd).pop().unwrap()
     }
 
     #[test]

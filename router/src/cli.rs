@@ -34,13 +34,18 @@ const CONNECT_PATIENCE: Duration = Duration::from_secs(60);
 
 pub fn main() -> ExitCode {
     let config = RouterConfig::parse();
-    init_logging(config.json_output);
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
         Err(e) => {
-            tracing::error!("cannot start the async runtime: {e}");
+            eprintln!("cannot start the async runtime: {e}");
             return ExitCode::FAILURE;
         }
+    };
+    // The trace exporter's gRPC channel lives on the runtime; `_telemetry`
+    // flushes pending spans when main returns.
+    let _telemetry = {
+        let _entered = runtime.enter();
+        crate::telemetry::init(config.json_output, config.otlp_endpoint.as_deref(), &config.otlp_service_name)
     };
     match runtime.block_on(run(config)) {
         Ok(()) => ExitCode::SUCCESS,
@@ -51,16 +56,6 @@ pub fn main() -> ExitCode {
     }
 }
 
-fn init_logging(json: bool) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    let _ = if json {
-        builder.json().flatten_event(true).try_init()
-    } else {
-        builder.try_init()
-    };
-}
 
 /// Everything the HTTP side needs that comes from the model folder.
 struct ModelFiles {

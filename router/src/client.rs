@@ -33,6 +33,41 @@ pub enum ClientError {
 /// and by `fake_shard::FakeShard`.
 pub trait Shard: Send + 'static {
     fn step(&mut self, request: StepRequest) -> impl Future<Output = Result<StepResponse, ClientError>> + Send;
+
+    /// `step` with the step's trace context (see telemetry.rs); shards that
+    /// do not trace ignore it.
+    fn step_traced(
+        &mut self,
+        request: StepRequest,
+        trace: StepTrace,
+    ) -> impl Future<Output = Result<StepResponse, ClientError>> + Send {
+        let _ = trace;
+        self.step(request)
+    }
+}
+
+/// A step's trace context, sent as gRPC metadata: `traceparent` (the step
+/// span) and one `sluice-link-traceparent` entry per request span it serves.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepTrace {
+    pub traceparent: Option<String>,
+    pub links: Vec<String>,
+}
+
+impl StepTrace {
+    /// `request` with this context in its metadata (values that are not
+    /// valid header text are left out; they never are, being hex).
+    pub fn attach<T>(&self, request: T) -> tonic::Request<T> {
+        let mut request = tonic::Request::new(request);
+        let metadata = request.metadata_mut();
+        if let Some(value) = self.traceparent.as_deref().and_then(|v| v.parse().ok()) {
+            metadata.insert("traceparent", value);
+        }
+        for value in self.links.iter().filter_map(|v| v.parse().ok()) {
+            metadata.append(crate::telemetry::LINK_METADATA_KEY, value);
+        }
+        request
+    }
 }
 
 /// One tonic channel per rank, rank order.
@@ -120,8 +155,16 @@ impl Shard for ShardGroup {
     /// Sends the same step to every rank; an error from any rank fails the
     /// step, otherwise rank 0's response is the answer.
     fn step(&mut self, request: StepRequest) -> impl Future<Output = Result<StepResponse, ClientError>> + Send {
+        self.step_traced(request, StepTrace::default())
+    }
+
+    fn step_traced(
+        &mut self,
+        request: StepRequest,
+        trace: StepTrace,
+    ) -> impl Future<Output = Result<StepResponse, ClientError>> + Send {
         let calls = self.clients.iter_mut().map(|c| {
-            let request = request.clone();
+            let request = trace.attach(request.clone());
             async move { c.step(request).await }
         });
         let all = try_join_all(calls);

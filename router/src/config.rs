@@ -76,10 +76,12 @@ pub struct RouterConfig {
     /// Log JSON lines instead of human-readable text.
     #[arg(long, env = "JSON_OUTPUT")]
     pub json_output: bool,
-    /// Accepted; trace export comes with the tracing work.
-    #[arg(long, env = "OTLP_ENDPOINT")]
+    /// OTLP/gRPC collector (e.g. http://localhost:4317): traces are exported
+    /// only when this is set.
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
     pub otlp_endpoint: Option<String>,
-    #[arg(long, env = "OTLP_SERVICE_NAME", default_value = "sluice-router")]
+    /// `service.name` of the exported spans.
+    #[arg(long, env = "OTEL_SERVICE_NAME", default_value = "sluice-router")]
     pub otlp_service_name: String,
 }
 

@@ -144,6 +144,9 @@ pub type InferStream = mpsc::UnboundedReceiver<Result<InferEvent, InferError>>;
 pub struct Entry {
     pub request: ValidRequest,
     pub events: mpsc::UnboundedSender<Result<InferEvent, InferError>>,
+    /// The request's span (the caller's current span): the scheduler hangs
+    /// its queue span and step spans/links on it (see telemetry.rs).
+    pub span: tracing::Span,
 }
 
 /// Facts the shard told us at startup, plus the scheduler's limits.
@@ -202,7 +205,7 @@ impl Infer {
         let (events, stream) = mpsc::unbounded_channel();
         let (ack, ack_rx) = oneshot::channel();
         self.commands
-            .send(Command::Submit(Entry { request, events }, ack))
+            .send(Command::Submit(Entry { request, events, span: tracing::Span::current() }, ack))
             .await
             .map_err(|_| InferError::ShuttingDown)?;
         ack_rx.await.map_err(|_| InferError::ShuttingDown)??;

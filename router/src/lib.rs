@@ -35,5 +35,6 @@ pub mod detokenize;
 pub mod http;
 pub mod metrics;
 pub mod stop;
+pub mod telemetry;
 pub mod tokenizer;
 pub mod validation;

@@ -6,7 +6,7 @@
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use metrics::{counter, histogram};
+use metrics::{counter, describe_counter, describe_histogram, histogram, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
@@ -28,9 +28,23 @@ pub fn install() -> PrometheusHandle {
             // Fails only if another recorder was installed first (a test
             // harness); the handle then renders nothing, which is harmless.
             let _ = metrics::set_global_recorder(recorder);
+            describe();
             handle
         })
         .clone()
+}
+
+/// HELP lines (Prometheus' linter wants one per series).
+fn describe() {
+    describe_counter!("sluice_requests_total", "Generation requests finished, by endpoint and outcome");
+    describe_histogram!("sluice_request_duration_seconds", Unit::Seconds, "Time from arrival to the last byte's generation");
+    describe_histogram!("sluice_request_queue_duration_seconds", Unit::Seconds, "Time a request waited before its first step");
+    describe_histogram!("sluice_time_to_first_token_seconds", Unit::Seconds, "Time from arrival to the first generated token");
+    describe_histogram!("sluice_inter_token_latency_seconds", Unit::Seconds, "Time between consecutive tokens of one request");
+    describe_histogram!("sluice_request_prompt_tokens", "Prompt tokens per successful request");
+    describe_histogram!("sluice_request_generated_tokens", "Generated tokens per successful request");
+    describe_counter!("sluice_prompt_tokens_total", "Prompt tokens of successful requests");
+    describe_counter!("sluice_generated_tokens_total", "Tokens generated for successful requests");
 }
 
 /// One finished HTTP request. `outcome` is "success" or an error class.

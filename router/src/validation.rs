@@ -174,6 +174,7 @@ pub struct Validation {
 }
 
 impl Validation {
+    #[tracing::instrument(level = "debug", name = "render_chat", skip_all)]
     pub fn render_chat(&self, messages: &[TemplateMessage]) -> Result<String, ValidationError> {
         if messages.is_empty() {
             return Err(ValidationError::Empty {
@@ -189,6 +190,7 @@ impl Validation {
 
     /// Prompt token ids. Raw text gets the tokenizer's special tokens (BOS);
     /// chat-template output must not (it spells them already).
+    #[tracing::instrument(level = "debug", name = "tokenize", skip_all)]
     pub fn tokenize(
         &self,
         prompt: &Prompt,
@@ -228,6 +230,7 @@ impl Validation {
 
     /// Checks lengths and every parameter; `input_field` names the prompt
     /// field in messages ("prompt", "messages", "inputs").
+    #[tracing::instrument(level = "debug", name = "validate", skip_all)]
     pub fn validate(
         &self,
         mut input_ids: Vec<u32>,

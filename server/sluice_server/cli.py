@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from sluice_server import telemetry
+
 log = logging.getLogger("sluice_server")
 
 MAX_MESSAGE_BYTES = 256 * 2**20
@@ -41,6 +43,9 @@ class JsonFormatter(logging.Formatter):
         rank = os.environ.get("RANK")
         if rank is not None:
             entry["rank"] = rank
+        trace_id = telemetry.current_trace_id()
+        if trace_id is not None:
+            entry["trace_id"] = trace_id
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry)
@@ -76,6 +81,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        help="auto: triton on CUDA, torch on CPU (triton on CPU needs TRITON_INTERPRET=1)")
     serve.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     serve.add_argument("--json-output", action="store_true")
+    serve.add_argument("--otlp-endpoint", default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
+                       help="OTLP/gRPC collector for traces (tracing is off when unset)")
+    serve.add_argument("--otlp-service-name", default=os.environ.get("OTEL_SERVICE_NAME", "sluice-shard"))
     serve.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "info"))
 
     dl = sub.add_parser("download-weights", help="resolve a model and print its local folder")
@@ -104,6 +112,7 @@ async def serve(args: argparse.Namespace) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: no CUDA device is available")
     dist = init_distributed(device)
+    telemetry.setup(args.otlp_endpoint, args.otlp_service_name, dist.rank)
     started = time.perf_counter()
     runner = ModelRunner(
         args.model_dir, dtype=args.dtype, device=args.device, block_size=args.block_size, dist=dist,
@@ -131,6 +140,7 @@ async def serve(args: argparse.Namespace) -> int:
     await stop.wait()
     log.info("shutting down")
     await server.stop(grace=1.0)
+    telemetry.shutdown()
     if os.path.exists(path):
         os.unlink(path)
     return 0

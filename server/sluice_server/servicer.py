@@ -26,7 +26,7 @@ import time
 import grpc
 import torch
 
-from sluice_server import sampling
+from sluice_server import sampling, telemetry
 from sluice_server.batch import Batch, InvalidStep, Limits, RequestState, Work, plan_step
 from sluice_server.model_runner import KVBudgetError, ModelRunner
 from sluice_server.pb import shard_pb2, shard_pb2_grpc
@@ -209,7 +209,10 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         return await self._run(context, self.shard.warmup, request)
 
     async def Step(self, request, context):
-        return await self._run(context, self.shard.step, request)
+        with telemetry.step_span(context.invocation_metadata(), request) as span:
+            response = await self._run(context, self.shard.step, request)
+            telemetry.record_step(span, response)
+            return response
 
     async def ClearCache(self, request, context):
         async with self.lock:

@@ -11,6 +11,7 @@ use crate::infer::{FinishReason, GeneratedToken, InferError, InferEvent, InferSt
 use crate::metrics;
 use crate::stop::{StopMatcher, StopOutcome};
 use crate::tokenizer::Tokenizer;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Finish {
@@ -63,6 +64,9 @@ pub struct Generation {
     /// A stop sequence matched; the next call reports the end.
     stopped: bool,
     finished: bool,
+    /// The request's `generation` span: gets the usage and outcome
+    /// attributes (telemetry.rs).
+    span: tracing::Span,
 }
 
 impl Generation {
@@ -76,6 +80,24 @@ impl Generation {
             last_token: None,
             stopped: false,
             finished: false,
+            span: tracing::Span::none(),
+        }
+    }
+
+    /// Records usage and outcome on `span` (see `telemetry::generation_span`).
+    pub fn traced(mut self, span: tracing::Span) -> Self {
+        self.span = span;
+        self
+    }
+
+    fn record_end(&self, finish: Finish) {
+        let elapsed_ms = self.arrived.elapsed().as_millis() as u64;
+        tracing::info!(parent: &self.span, generated_tokens = self.generated, finish = ?finish, elapsed_ms, "generation finished");
+        if crate::telemetry::enabled() {
+            let reasons = opentelemetry::Array::String(vec![finish.openai().into()]);
+            self.span.set_attribute("gen_ai.usage.output_tokens", i64::from(self.generated));
+            self.span.set_attribute("gen_ai.response.finish_reasons", opentelemetry::Value::Array(reasons));
+            self.span.set_attribute("sluice.finish_reason", format!("{finish:?}").to_lowercase());
         }
     }
 
@@ -86,6 +108,7 @@ impl Generation {
         }
         if self.stopped {
             self.finished = true;
+            self.record_end(Finish::StopSequence);
             return Some(Ok(GenEvent::End {
                 finish: Finish::StopSequence,
                 generated_tokens: self.generated,
@@ -118,6 +141,11 @@ impl Generation {
                 started,
             } => {
                 metrics::queue_wait(started.saturating_duration_since(queued));
+                if crate::telemetry::enabled() {
+                    self.span.set_attribute("gen_ai.usage.cached_input_tokens", i64::from(cached_tokens));
+                    let queued_s = started.saturating_duration_since(queued).as_secs_f64();
+                    self.span.set_attribute("sluice.queue_duration_s", queued_s);
+                }
                 Ok(GenEvent::Prefill {
                     cached_tokens,
                     prompt_logprobs,
@@ -126,7 +154,13 @@ impl Generation {
             InferEvent::Token(token) => {
                 let now = Instant::now();
                 match self.last_token {
-                    None => metrics::time_to_first_token(now - self.arrived),
+                    None => {
+                        metrics::time_to_first_token(now - self.arrived);
+                        if crate::telemetry::enabled() {
+                            let ttft = (now - self.arrived).as_secs_f64();
+                            self.span.set_attribute("sluice.time_to_first_token_s", ttft);
+                        }
+                    }
                     Some(last) => metrics::inter_token_latency(now - last),
                 }
                 self.last_token = Some(now);
@@ -155,6 +189,7 @@ impl Generation {
                         (finish, text + &self.stop.flush())
                     }
                 };
+                self.record_end(finish);
                 Ok(GenEvent::End {
                     finish,
                     generated_tokens: self.generated,
@@ -225,6 +260,8 @@ pub struct RequestRecord {
     outcome: &'static str,
     prompt_tokens: usize,
     generated_tokens: u32,
+    /// False for the inert record `take` leaves behind: it counts nothing.
+    armed: bool,
 }
 
 impl RequestRecord {
@@ -235,7 +272,16 @@ impl RequestRecord {
             outcome: "cancelled",
             prompt_tokens: 0,
             generated_tokens: 0,
+            armed: true,
         }
+    }
+
+    /// Moves the record out (into a response stream that outlives the
+    /// handler), leaving an inert one behind: the request is counted once,
+    /// when the stream ends, not also as "cancelled" when the handler returns.
+    pub fn take(&mut self) -> Self {
+        let inert = Self { armed: false, ..Self::new(self.endpoint) };
+        std::mem::replace(self, inert)
     }
 
     pub fn succeeded(&mut self, prompt_tokens: usize, generated_tokens: u32) {
@@ -257,6 +303,9 @@ impl RequestRecord {
 
 impl Drop for RequestRecord {
     fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
         metrics::request_finished(self.endpoint, self.outcome, self.start.elapsed());
         if self.outcome == "success" {
             metrics::tokens(self.prompt_tokens, self.generated_tokens);

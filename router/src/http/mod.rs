@@ -104,7 +104,9 @@ pub fn app(state: Arc<AppState>, options: &HttpOptions) -> Router {
         .route("/generate_stream", post(tgi::generate_stream))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(openai::completions))
-        .layer(middleware::from_fn_with_state(state.clone(), reject_while_draining));
+        .layer(middleware::from_fn_with_state(state.clone(), reject_while_draining))
+        // Outermost: one trace per generation request, including refusals.
+        .layer(middleware::from_fn(crate::telemetry::trace_http));
     let router = Router::new()
         .merge(generation)
         .route("/tokenize", post(tokenize))

@@ -9,6 +9,7 @@
 //! Choices of a completion with a list of prompts are indexed
 //! `prompt_index * n + j`, as OpenAI does.
 
+use tracing::Instrument;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -329,8 +330,9 @@ async fn submit(state: &AppState, requests: Vec<Validated>) -> Result<Vec<Genera
     let mut generations = Vec::with_capacity(requests.len());
     for validated in requests {
         let arrived = validated.request.arrived;
-        let stream = state.infer.generate(validated.request).await?;
-        generations.push(Generation::new(stream, state.validation.tokenizer.clone(), validated.stop, arrived));
+        let span = crate::telemetry::generation_span(state.served_model_name(), &validated.request);
+        let stream = state.infer.generate(validated.request).instrument(span.clone()).await?;
+        generations.push(Generation::new(stream, state.validation.tokenizer.clone(), validated.stop, arrived).traced(span));
     }
     Ok(generations)
 }
@@ -447,7 +449,7 @@ async fn chat_completions_inner(
 
     if request.sampling.stream.unwrap_or(false) {
         let include_usage = request.sampling.stream_options.is_some_and(|o| o.include_usage);
-        let record = std::mem::replace(record, RequestRecord::new("chat_completions"));
+        let record = record.take();
         return Ok(chat_stream(state, generations, id, model, prompt_tokens, want_logprobs, top_logprobs, include_usage, record));
     }
 
@@ -687,7 +689,7 @@ async fn completions_inner(
 
     if request.sampling.stream.unwrap_or(false) {
         let include_usage = request.sampling.stream_options.is_some_and(|o| o.include_usage);
-        let record = std::mem::replace(record, RequestRecord::new("completions"));
+        let record = record.take();
         let echoes: Vec<String> = inputs
             .iter()
             .map(|ids| if echo { state.validation.tokenizer.decode(ids, true).unwrap_or_default() } else { String::new() })

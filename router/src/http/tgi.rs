@@ -7,6 +7,7 @@
 //! (temperature != 1, top_k, top_p, typical_p) is given; `temperature`
 //! must then be strictly positive. `watermark` is accepted and ignored.
 
+use tracing::Instrument;
 use std::sync::Arc;
 
 use axum::body::Bytes;
@@ -233,13 +234,15 @@ fn top_tokens(state: &AppState, top: &[TokenLogprob]) -> Vec<Token> {
 async fn submit(state: &AppState, prepared: &Prepared) -> Result<Generation, ApiError> {
     let request = prepared.validated.request.clone();
     let arrived = request.arrived;
-    let stream = state.infer.generate(request).await?;
+    let span = crate::telemetry::generation_span(state.served_model_name(), &request);
+    let stream = state.infer.generate(request).instrument(span.clone()).await?;
     Ok(Generation::new(
         stream,
         state.validation.tokenizer.clone(),
         prepared.validated.stop.clone(),
         arrived,
-    ))
+    )
+    .traced(span))
 }
 
 async fn generate_inner(
@@ -368,7 +371,7 @@ async fn stream_response(
 ) -> Result<Response, ApiError> {
     let prepared = prepare(&state, request, true)?;
     let generation = submit(&state, &prepared).await?;
-    let mut record = std::mem::replace(record, RequestRecord::new("generate_stream"));
+    let mut record = record.take();
     let input_length = prepared.validated.request.input_ids.len();
     let mut events = generation.into_stream();
     let stream = async_stream::stream! {

@@ -37,6 +37,7 @@ mod preemption;
 mod queue;
 mod request;
 mod step;
+mod trace;
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -98,9 +99,10 @@ async fn run<S: Shard>(mut scheduler: Scheduler, mut shard: S, mut commands: mps
             continue;
         }
         let request = scheduler.to_proto(&plan);
+        let (step_span, step_trace) = scheduler.trace_step(&plan);
         let started = Instant::now();
         scheduler.stats.step_in_flight_since = Some(started);
-        let step = shard.step(request);
+        let step = shard.step_traced(request, step_trace);
         tokio::pin!(step);
         let result = loop {
             tokio::select! {
@@ -112,6 +114,7 @@ async fn run<S: Shard>(mut scheduler: Scheduler, mut shard: S, mut commands: mps
             }
         };
         scheduler.apply(plan, result, started);
+        drop(step_span);
         #[cfg(debug_assertions)]
         scheduler.check_invariants();
     }

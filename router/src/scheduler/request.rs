@@ -42,11 +42,16 @@ pub(crate) struct Request {
     pub passed_over: u32,
     /// Came back from preemption: admitted before anything else.
     pub resumed: bool,
+    /// The request's span (telemetry.rs); steps hang off it or link to it.
+    pub span: tracing::Span,
+    /// Open from submission to the first step that computes this request.
+    pub queue_span: Option<tracing::Span>,
 }
 
 impl Request {
     pub fn new(id: u64, entry: Entry) -> Self {
-        let Entry { request, events } = entry;
+        let Entry { request, events, span } = entry;
+        let queue_span = Some(tracing::debug_span!(parent: &span, "queue"));
         Self {
             id,
             tokens: request.input_ids.clone(),
@@ -63,6 +68,8 @@ impl Request {
             admitted: 0,
             passed_over: 0,
             resumed: false,
+            span,
+            queue_span,
         }
     }
 
