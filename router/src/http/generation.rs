@@ -280,7 +280,16 @@ impl RequestRecord {
     /// handler), leaving an inert one behind: the request is counted once,
     /// when the stream ends, not also as "cancelled" when the handler returns.
     pub fn take(&mut self) -> Self {
-        let inert = Self { armed: false, ..Self::new(self.endpoint) };
+        // Built field by field: `..Self::new()` would drop an armed
+        // temporary, which counts.
+        let inert = Self {
+            endpoint: self.endpoint,
+            start: self.start,
+            outcome: "cancelled",
+            prompt_tokens: 0,
+            generated_tokens: 0,
+            armed: false,
+        };
         std::mem::replace(self, inert)
     }
 
