@@ -13,7 +13,9 @@ use sluice_router::infer::InferError;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_block_leaks_after_1000_random_requests_with_cancellations() {
-    let mut fake = fake_config(96, 4);
+    // 64 blocks: blocks are shared while requests still run (cached as soon
+    // as filled), so a larger cache would not reliably force preemption.
+    let mut fake = fake_config(64, 4);
     fake.eos_probability = 0.05;
     let mut config = scheduler_config(&fake);
     config.max_batch_prefill_tokens = 48;
@@ -65,5 +67,5 @@ async fn no_block_leaks_after_1000_random_requests_with_cancellations() {
     // The load was sized to exercise every path of the allocator.
     assert!(stats.preemptions > 0, "{stats:?}");
     assert!(stats.evicted_blocks > 0, "{stats:?}");
-    assert_eq!(stats.blocks_total, 96);
+    assert_eq!(stats.blocks_total, 64);
 }
