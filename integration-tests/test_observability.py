@@ -197,7 +197,7 @@ def timed_requests(server, count: int) -> float:
     chat(server, model, max_tokens=4)  # warm the path
     start = time.perf_counter()
     for _ in range(count):
-        assert chat(server, model, max_tokens=16)["usage"]["completion_tokens"] == 16
+        assert chat(server, model, max_tokens=8)["usage"]["completion_tokens"] == 8
     return (time.perf_counter() - start) / count
 
 
@@ -206,7 +206,7 @@ def test_collector_down_costs_nothing(tiny_model_dir, tmp_path):
     down = start_launcher("--model-id", str(tiny_model_dir), "--otlp-endpoint", f"http://127.0.0.1:{closed}",
                           tmp=mkdir(tmp_path / "down"))
     try:
-        with_dead_collector = timed_requests(down, 5)
+        with_dead_collector = timed_requests(down, 3)
         time.sleep(4)  # let the exporters fail (3 s timeout) and say so
     finally:
         down.stop()
@@ -218,7 +218,7 @@ def test_collector_down_costs_nothing(tiny_model_dir, tmp_path):
 
     off = start_launcher("--model-id", str(tiny_model_dir), tmp=mkdir(tmp_path / "off"))
     try:
-        without = timed_requests(off, 5)
+        without = timed_requests(off, 3)
     finally:
         off.stop()
     ratio = with_dead_collector / without
@@ -289,7 +289,7 @@ def test_metrics_lint_and_move_by_the_right_amounts(tiny_model_dir, tmp_path):
     # Requests ran one at a time: one prefill step plus one step per later token.
     assert delta("sluice_step_duration_seconds_count") == completion
     assert delta("sluice_scheduler_steps_total") == completion
-    assert after["sluice_kv_blocks_total"] > 0
+    assert after["sluice_kv_blocks_capacity"] > 0
     assert after["sluice_kv_blocks_used"] == 0  # nothing running
     assert after["sluice_queue_size"] == 0
     assert after["sluice_preemptions_total"] == 0

@@ -159,6 +159,8 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
         prefix_caching: !config.no_prefix_caching,
         eos_token_ids: shard_info.eos_token_ids.clone(),
     };
+    // The recorder first: the scheduler describes its series when it starts.
+    let metrics = crate::metrics::install();
     let infer = scheduler::spawn(shards, scheduler_config, info.clone());
 
     let vocab_size = if info.vocab_size > 0 { info.vocab_size } else { files.tokenizer.vocab_size() };
@@ -200,7 +202,7 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
             version: env!("CARGO_PKG_VERSION").into(),
         },
         model_names: vec![config.served_model_name().to_string(), config.model_id.clone()],
-        metrics: crate::metrics::install(),
+        metrics,
         draining: Arc::new(AtomicBool::new(false)),
         progress_timeout: Duration::from_secs(config.progress_timeout),
         api_key: config.api_key.clone(),

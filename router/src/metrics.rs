@@ -45,6 +45,8 @@ fn describe() {
     describe_histogram!("sluice_request_generated_tokens", "Generated tokens per successful request");
     describe_counter!("sluice_prompt_tokens_total", "Prompt tokens of successful requests");
     describe_counter!("sluice_generated_tokens_total", "Tokens generated for successful requests");
+    counter!("sluice_prompt_tokens_total").increment(0);
+    counter!("sluice_generated_tokens_total").increment(0);
 }
 
 /// One finished HTTP request. `outcome` is "success" or an error class.

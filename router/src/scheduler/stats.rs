@@ -11,7 +11,7 @@ use super::Scheduler;
 pub(crate) fn describe() {
     describe_gauge!("sluice_queue_size", "Requests waiting for admission");
     describe_gauge!("sluice_batch_current_size", "Requests in the running batch");
-    describe_gauge!("sluice_kv_blocks_total", "KV cache blocks");
+    describe_gauge!("sluice_kv_blocks_capacity", "KV cache blocks the scheduler may hand out (capacity)");
     describe_gauge!("sluice_kv_blocks_used", "KV blocks referenced by running requests");
     describe_gauge!("sluice_kv_blocks_cached", "KV blocks held only by the prefix cache (evictable)");
     describe_gauge!("sluice_kv_blocks_free", "KV blocks on the free list");
@@ -25,6 +25,18 @@ pub(crate) fn describe() {
     describe_histogram!("sluice_step_duration_seconds", Unit::Seconds, "Time of one Step RPC");
     describe_histogram!("sluice_batch_tokens", "Tokens computed per step");
     describe_histogram!("sluice_batch_size", "Requests per step");
+    // Counters exist (at 0) before their first event, so rates and alerts
+    // see them from the start.
+    for name in [
+        "sluice_prefix_cache_hit_tokens_total",
+        "sluice_prefix_cache_lookup_tokens_total",
+        "sluice_prefix_cache_evicted_blocks_total",
+        "sluice_preemptions_total",
+        "sluice_scheduler_steps_total",
+        "sluice_step_failures_total",
+    ] {
+        counter!(name).increment(0);
+    }
 }
 
 pub(crate) fn queue(s: &Scheduler) {
@@ -33,7 +45,7 @@ pub(crate) fn queue(s: &Scheduler) {
     let cached = s.kv.num_cached();
     gauge!("sluice_queue_size").set(s.waiting.len() as f64);
     gauge!("sluice_batch_current_size").set(s.running.len() as f64);
-    gauge!("sluice_kv_blocks_total").set(total as f64);
+    gauge!("sluice_kv_blocks_capacity").set(total as f64);
     gauge!("sluice_kv_blocks_free").set(free as f64);
     gauge!("sluice_kv_blocks_cached").set(cached as f64);
     gauge!("sluice_kv_blocks_used").set(total.saturating_sub(free + cached) as f64);
