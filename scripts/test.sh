@@ -5,6 +5,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh --test
+# promtool (Debian's prometheus package) checks the /metrics exposition in
+# integration-tests/test_observability.py.
+if ! command -v promtool >/dev/null; then
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq prometheus
+fi
 VENV="${SLUICE_VENV:-$PWD/.venv}"
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
