@@ -218,16 +218,21 @@ pub fn request_span(method: &str, path: &str, traceparent: Option<&str>) -> trac
     if let Some(parent) = &parent {
         let _ = span.set_parent(Context::new().with_remote_span_context(parent.clone()));
     }
-    let exported = span_context(&span).trace_id();
-    let trace_id = if exported != TraceId::INVALID {
+    let trace_id = log_trace_id(span_context(&span).trace_id(), parent.as_ref());
+    span.record("trace_id", tracing::field::display(trace_id));
+    span
+}
+
+/// The trace id logged for a request: the exported span's (tracing on), else
+/// the caller's, else a fresh random one (so a request's lines still group).
+fn log_trace_id(exported: TraceId, parent: Option<&SpanContext>) -> TraceId {
+    if exported != TraceId::INVALID {
         exported
     } else if let Some(parent) = parent {
         parent.trace_id()
     } else {
         TraceId::from_bytes(*uuid::Uuid::new_v4().as_bytes())
-    };
-    span.record("trace_id", tracing::field::display(trace_id));
-    span
+    }
 }
 
 /// axum middleware: runs the rest of the request inside [`request_span`].
@@ -298,13 +303,31 @@ mod tests {
     }
 
     #[test]
-    fn request_span_keeps_the_callers_trace_id_without_export() {
-        // No subscriber with the OpenTelemetry layer here: the trace id
-        // still comes from the caller for the log lines.
-        let subscriber = tracing_subscriber::registry();
-        tracing::subscriber::with_default(subscriber, || {
-            let span = request_span("POST", "/generate", Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"));
-            assert!(!span.is_disabled());
-        });
+    fn logged_trace_id_prefers_export_then_caller_then_fresh() {
+        let caller = parse_traceparent("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01").unwrap();
+        let exported = TraceId::from_hex("0af7651916cd43dd8448eb211c80319c").unwrap();
+        assert_eq!(log_trace_id(exported, Some(&caller)), exported);
+        assert_eq!(log_trace_id(TraceId::INVALID, Some(&caller)), caller.trace_id());
+        let a = log_trace_id(TraceId::INVALID, None);
+        let b = log_trace_id(TraceId::INVALID, None);
+        assert!(a != TraceId::INVALID && a != b);
+    }
+
+    #[test]
+    fn step_trace_goes_into_grpc_metadata() {
+        let trace = crate::client::StepTrace {
+            traceparent: Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into()),
+            links: vec![
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-1111111111111111-01".into(),
+                "00-0af7651916cd43dd8448eb211c80319c-2222222222222222-01".into(),
+            ],
+        };
+        let request = trace.attach(());
+        let metadata = request.metadata();
+        assert_eq!(metadata.get("traceparent").unwrap(), trace.traceparent.as_deref().unwrap());
+        let links: Vec<&str> = metadata.get_all(LINK_METADATA_KEY).iter().map(|v| v.to_str().unwrap()).collect();
+        assert_eq!(links, trace.links);
+        // No context: no metadata at all.
+        assert!(crate::client::StepTrace::default().attach(()).metadata().is_empty());
     }
 }
