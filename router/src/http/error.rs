@@ -185,16 +185,44 @@ impl IntoResponse for TgiError {
 /// Parses a JSON body, naming the offending field on failure
 /// (`messages[0].content: invalid type: ...`).
 pub fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
-    let mut deserializer = serde_json::Deserializer::from_slice(body);
-    serde_path_to_error::deserialize(&mut deserializer).map_err(|e| {
+    let value: serde_json::Value = serde_json::from_slice(body).map_err(|e| {
+        ApiError::Validation(ValidationError::Body {
+            field: None,
+            message: format!("the request body is not valid JSON: {e}"),
+        })
+    })?;
+    serde_path_to_error::deserialize::<_, T>(&value).map_err(|e| {
         let path = e.path().to_string();
-        let field = (path != ".").then_some(path);
+        // `#[serde(flatten)]` fields lose their path inside serde; find the
+        // culprit by leaving out one top-level key at a time (error path only).
+        let field = match path.as_str() {
+            "." | "?" | "" => culprit_key::<T>(&value),
+            _ => Some(path),
+        };
         let message = match &field {
             Some(field) => format!("`{field}`: {}", e.inner()),
             None => e.inner().to_string(),
         };
         ApiError::Validation(ValidationError::Body { field, message })
     })
+}
+
+/// The top-level key whose removal makes `value` deserialize, if exactly one
+/// does (flattened fields are optional ones, so leaving one out is valid).
+fn culprit_key<T: serde::de::DeserializeOwned>(value: &serde_json::Value) -> Option<String> {
+    let object = value.as_object()?;
+    let mut found = None;
+    for key in object.keys() {
+        let mut without = object.clone();
+        without.remove(key);
+        if serde_json::from_value::<T>(serde_json::Value::Object(without)).is_ok() {
+            if found.is_some() {
+                return None;
+            }
+            found = Some(key.clone());
+        }
+    }
+    found
 }
 
 #[cfg(test)]
@@ -221,6 +249,34 @@ mod tests {
         let err = parse_json::<Body>(b"{not json").unwrap_err();
         assert_eq!(err.openai_status(), StatusCode::BAD_REQUEST);
         assert_eq!(err.tgi_status(), StatusCode::UNPROCESSABLE_ENTITY);
+    }
+
+    #[derive(Debug, serde::Deserialize)]
+    #[allow(dead_code)]
+    struct Flattened {
+        model: String,
+        #[serde(flatten)]
+        sampling: Sampling,
+    }
+    #[derive(Debug, serde::Deserialize)]
+    #[allow(dead_code)]
+    struct Sampling {
+        temperature: Option<f32>,
+        top_p: Option<f32>,
+    }
+
+    #[test]
+    fn flattened_field_errors_name_the_field() {
+        let err = parse_json::<Flattened>(br#"{"model": "m", "temperature": "hot", "top_p": 1}"#).unwrap_err();
+        let body = err.openai_body();
+        assert_eq!(body.error.param.as_deref(), Some("temperature"));
+        assert!(body.error.message.contains("`temperature`: invalid type"), "{}", body.error.message);
+    }
+
+    #[test]
+    fn malformed_json_says_so() {
+        let err = parse_json::<Body>(b"{not json").unwrap_err();
+        assert!(err.openai_body().error.message.contains("not valid JSON"));
     }
 
     #[test]
