@@ -11,7 +11,7 @@ def tgi(launcher):
 
 
 def test_generate_details(tgi):
-    resp = tgi.generate("The capital of France is", max_new_tokens=8, details=True, decoder_input_details=True)
+    resp = tgi.generate("The capital of France is", max_new_tokens=8, decoder_input_details=True)
     details = resp.details
     assert details.generated_tokens == len(details.tokens)
     assert 1 <= details.generated_tokens <= 8
@@ -25,7 +25,7 @@ def test_generate_details(tgi):
 
 
 def test_generate_top_n_tokens(tgi):
-    resp = tgi.generate("Hello", max_new_tokens=4, details=True, top_n_tokens=3)
+    resp = tgi.generate("Hello", max_new_tokens=4, top_n_tokens=3)
     assert len(resp.details.top_tokens) == resp.details.generated_tokens
     for chosen, tops in zip(resp.details.tokens, resp.details.top_tokens):
         assert len(tops) == 3
@@ -33,7 +33,7 @@ def test_generate_top_n_tokens(tgi):
 
 
 def test_generate_stream(tgi):
-    full = tgi.generate("Once upon a time", max_new_tokens=12, details=True)
+    full = tgi.generate("Once upon a time", max_new_tokens=12)
     tokens, last = [], None
     for resp in tgi.generate_stream("Once upon a time", max_new_tokens=12):
         tokens.append(resp.token)
@@ -44,8 +44,8 @@ def test_generate_stream(tgi):
 
 
 def test_sampling_with_seed(tgi):
-    a = tgi.generate("Write a poem", max_new_tokens=10, do_sample=True, temperature=0.9, seed=42, details=True)
-    b = tgi.generate("Write a poem", max_new_tokens=10, do_sample=True, temperature=0.9, seed=42, details=True)
+    a = tgi.generate("Write a poem", max_new_tokens=10, do_sample=True, temperature=0.9, seed=42)
+    b = tgi.generate("Write a poem", max_new_tokens=10, do_sample=True, temperature=0.9, seed=42)
     assert a.generated_text == b.generated_text
     assert a.details.seed == 42
 
@@ -54,8 +54,10 @@ def test_inference_client(launcher):
     client = InferenceClient(base_url=launcher.base_url)
     text = client.text_generation("The capital of France is", max_new_tokens=8)
     assert isinstance(text, str) and text
-    out = client.chat_completion(messages=[{"role": "user", "content": "Hi!"}], max_tokens=8)
+    out = client.chat_completion(messages=[{"role": "user", "content": "Hi!"}], max_tokens=8, temperature=0)
     assert out.choices[0].message.content
-    chunks = list(client.chat_completion(messages=[{"role": "user", "content": "Hi!"}], max_tokens=8, stream=True))
+    chunks = list(
+        client.chat_completion(messages=[{"role": "user", "content": "Hi!"}], max_tokens=8, temperature=0, stream=True)
+    )
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == out.choices[0].message.content
