@@ -131,6 +131,8 @@ def launcher(tmp_path_factory) -> Launcher:
         "--max-concurrent-requests", "64",
         "--max-total-tokens", "2048",
         "--max-input-tokens", "1536",
+        # Warmup runs one step of this size; keep it small on 2 CPU cores.
+        "--max-batch-prefill-tokens", "512",
         "--kv-cache-bytes", str(256 * 1024 * 1024),
         tmp=tmp,
     )
