@@ -51,6 +51,6 @@ for _ in $(seq 600); do
   sleep 1
 done
 curl -sf "http://127.0.0.1:$PORT/v1/chat/completions" -H 'content-type: application/json' \
-  -d '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16}'
+  -d '{"model": "SmolLM2-135M-Instruct.Q4_1", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16}'
 echo
 echo "container OK"
