@@ -20,5 +20,9 @@ export PATH="$HOME/.cargo/bin:$PATH"
 echo "== cargo test"
 cargo test --workspace --quiet
 
-echo "== pytest"
-python -m pytest -q -p no:cacheprovider server/tests kernels integration-tests
+# One pytest process per folder: each folder has its own conftest.py, and
+# tests import helpers from it by that module name.
+for suite in server/tests kernels integration-tests; do
+  echo "== pytest $suite"
+  python -m pytest -q -p no:cacheprovider "$suite"
+done
