@@ -3,8 +3,8 @@ random-weight Llama plus `sluice-router`, checked over HTTP end to end
 (/generate, /generate_stream, /v1/chat/completions streaming and not,
 /v1/completions, /openapi.json as valid OpenAPI 3).
 
-The router binary: $SLUICE_ROUTER_BIN, else target/debug/sluice-router
-(`cargo build -p sluice-launcher --bin sluice-router`).
+The router binary: $SLUICE_ROUTER_BIN, else the installed `sluice-router`
+(see conftest.find_executable).
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from conftest import find_executable
+
 REPO = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 180
 
@@ -34,10 +36,7 @@ CHAT_TEMPLATE = (
 
 
 def router_binary() -> str:
-    path = os.environ.get("SLUICE_ROUTER_BIN") or str(REPO / "target" / "debug" / "sluice-router")
-    if not Path(path).exists():
-        pytest.fail(f"{path} not found: cargo build -p sluice-launcher --bin sluice-router")
-    return path
+    return find_executable("sluice-router")
 
 
 def write_tokenizer(folder: Path) -> None:
