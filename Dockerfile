@@ -30,13 +30,17 @@ RUN /opt/build/bin/python scripts/gen_proto.py \
 
 # ---- runtime ----
 FROM ${BASE_IMAGE}
+# g++ builds the shard's CPU kernels for the host's processor on first start
+# (cached under /data/torch_extensions); without it a CPU shard still runs,
+# on plain torch attention.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+ && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates g++ \
  && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/sluice
 # PORT and SLUICE_HOSTNAME are the launcher's --port and --hostname.
 ENV PATH=/opt/sluice/bin:$PATH \
     HF_HOME=/data \
+    TORCH_EXTENSIONS_DIR=/data/torch_extensions \
     PORT=80 \
     SLUICE_HOSTNAME=0.0.0.0
 COPY --from=builder /wheels /wheels

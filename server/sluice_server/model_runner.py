@@ -13,6 +13,7 @@ from sluice_server.batch import Batch, RequestState, Work, build_batch
 from sluice_server.distributed import SINGLE, Distributed
 from sluice_server.kv_cache import KVCache
 from sluice_server.layers.attention import get_backend
+from sluice_server.layers.linear import pack_linear_weights
 from sluice_server.models import build_model, load_weights
 from sluice_server.pb import shard_pb2
 
@@ -85,6 +86,7 @@ class ModelRunner:
         block_size: int = 16,
         dist: Distributed = SINGLE,
         attention_backend: str = "auto",
+        pack_weights: bool = True,
     ):
         self.model_dir = Path(model_dir)
         config_path = self.model_dir / "config.json"
@@ -98,6 +100,9 @@ class ModelRunner:
         self.backend = get_backend(self.device, attention_backend)
         self.model = build_model(self.config, dist, self.backend, self.dtype, self.device)
         load_weights(self.model, self.model_dir)
+        if self.device.type == "cpu" and pack_weights:
+            packed = pack_linear_weights(self.model)
+            log.info("packed %d linear weights for oneDNN", packed)
         cfg = self.model.config
         self.model_type: str = cfg.model_type
         self.vocab_size: int = cfg.vocab_size

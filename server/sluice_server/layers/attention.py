@@ -26,7 +26,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from sluice_server.layers.ops import TorchOps
+from sluice_server.layers.ops import CpuOps, TorchOps
 
 
 @dataclass
@@ -113,8 +113,14 @@ class TorchAttention(AttentionBackend):
 
     name = "torch"
 
-    def __init__(self):
-        self.ops = TorchOps()
+    def __init__(self, cpu_kernels: bool = False):
+        # On CPU, float32 decodes and the small ops go through the C++
+        # kernels (layers.cpu_kernels) when they could be built.
+        self.cpu_kernels = cpu_kernels and cpu_kernels_module().load()
+        self.ops = CpuOps() if self.cpu_kernels else TorchOps()
+
+    def _use_kernel(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        return self.cpu_kernels and q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.float32
 
     def prepare(self, meta: AttentionMetadata) -> None:
         nd = meta.num_decodes
@@ -151,7 +157,11 @@ class TorchAttention(AttentionBackend):
         group = num_q_heads // num_kv_heads
         out = torch.empty_like(q)
         nd = meta.num_decodes
-        if nd:
+        if nd and self._use_kernel(q, k_cache):
+            cpu_kernels_module().paged_decode_attention(
+                out[:nd], q[:nd], k_cache, v_cache, state["decode_tables"], meta.seq_lens[:nd], dim**-0.5
+            )
+        elif nd:
             tables, length = state["decode_tables"], state["decode_len"]
             keys = gather_kv(k_cache, tables, length).to(q.dtype)
             values = gather_kv(v_cache, tables, length).to(q.dtype)
@@ -194,10 +204,16 @@ def resolve_backend_name(requested: str, device: torch.device) -> str:
     return requested
 
 
+def cpu_kernels_module():
+    from sluice_server.layers import cpu_kernels
+
+    return cpu_kernels
+
+
 def get_backend(device: torch.device, requested: str = "auto") -> AttentionBackend:
     """The attention backend (and its small ops) for `device`; see resolve_backend_name."""
     if resolve_backend_name(requested, device) == "torch":
-        return TorchAttention()
+        return TorchAttention(cpu_kernels=device.type == "cpu")
     try:
         from sluice_server.layers.triton_attention import TritonAttention
     except ImportError as e:

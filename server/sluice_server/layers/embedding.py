@@ -18,6 +18,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from sluice_server.distributed import Distributed
+from sluice_server.layers.linear import can_pack_for_cpu, pack_for_cpu, packed_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -57,7 +58,20 @@ class ParallelLMHead(VocabParallelEmbedding):
     (same vocab split), and the checkpoint has no separate lm_head tensor.
     """
 
+    packed: torch.Tensor | None = None
+
+    def pack_for_cpu_(self) -> bool:
+        """Packs a copy of the weight for oneDNN (see layers.linear). The dense
+        weight stays: with tied embeddings it is also the embedding table."""
+        if self.packed is not None or not can_pack_for_cpu(self.weight):
+            return False
+        self.packed = pack_for_cpu(self.weight)
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x, self.weight)
+        if self.packed is not None:
+            logits = packed_linear(x, self.packed, None)
+        else:
+            logits = F.linear(x, self.weight)
         logits = self.dist.all_gather_last_dim(logits)
         return logits[..., : self.vocab_size].float()

@@ -5,7 +5,9 @@ tables, the MLP); which implementation runs is decided once, by the attention
 backend the shard selected (`layers.attention.get_backend`), so the model file
 is the same for both:
 
-    TorchOps   - CPU (and the reference): eager torch.
+    TorchOps   - the reference: eager torch.
+    CpuOps     - CPU: float32 through the C++ kernels of `layers.cpu_kernels`
+                 (one pass per op), else TorchOps.
     TritonOps  - CUDA, or CPU under TRITON_INTERPRET=1: the kernels of
                  `sluice_server.kernels` (rms_norm with the residual add fused,
                  rotary in place on q and k, silu_mul).
@@ -67,6 +69,34 @@ class TorchOps:
         """[T, 2I] (gate | up) -> silu(gate) * up, [T, I]."""
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+def _cpu_f32(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+
+
+class CpuOps(TorchOps):
+    """TorchOps with float32 CPU tensors sent to the C++ kernels of
+    `layers.cpu_kernels` (one pass each); anything else takes the torch path.
+    Built only once `cpu_kernels.load()` succeeded."""
+
+    name = "cpu"
+
+    def rms_norm(self, x, weight, eps, residual):
+        if x.dim() == 2 and _cpu_f32(x, weight) and (residual is None or _cpu_f32(residual)):
+            return torch.ops.sluice_cpu.rms_norm(x, residual, weight, eps)
+        return super().rms_norm(x, weight, eps, residual)
+
+    def rotary_(self, q, k, tables):
+        if _cpu_f32(q, k):
+            torch.ops.sluice_cpu.rotary_(q, k, tables.cos, tables.sin)
+        else:
+            super().rotary_(q, k, tables)
+
+    def silu_mul(self, x):
+        if x.dim() == 2 and _cpu_f32(x):
+            return torch.ops.sluice_cpu.silu_mul(x)
+        return super().silu_mul(x)
 
 
 class TritonOps(TorchOps):

@@ -1,0 +1,124 @@
+"""The C++ CPU kernels (`sluice_server/csrc`, loaded by layers.cpu_kernels)
+against the plain-torch code they replace: TorchAttention's gather + SDPA
+decode path and TorchOps' RMSNorm, rotary and SiLU-and-mul."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sluice_server.layers import cpu_kernels
+from sluice_server.layers.attention import AttentionMetadata, TorchAttention
+from sluice_server.layers.ops import CpuOps, TorchOps, rotary_tables
+from sluice_server.layers.rotary import inverse_frequencies
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler here to build the CPU kernels")
+
+
+def randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def decode_meta(seq_lens: list[int], block_size: int, num_blocks: int, seed: int) -> AttentionMetadata:
+    """Decode-only metadata with each sequence's blocks scattered over the cache."""
+    need = [-(-n // block_size) for n in seq_lens]
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    width = max(need) + 2  # wider than needed: the kernel must stop at seq_len
+    tables, used = [], 0
+    for n in need:
+        tables.append(perm[used : used + n] + [0] * (width - n))
+        used += n
+    lens = torch.tensor(seq_lens)
+    # Each new token's k/v goes to the last position of its sequence.
+    slots = [t[(n - 1) // block_size] * block_size + (n - 1) % block_size for t, n in zip(tables, seq_lens)]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.arange(len(seq_lens) + 1),
+        seq_lens=lens,
+        block_tables=torch.tensor(tables),
+        num_decodes=len(seq_lens),
+        block_size=block_size,
+        query_lens_list=[1] * len(seq_lens),
+        seq_lens_list=seq_lens,
+    )
+
+
+@pytest.mark.parametrize(
+    "hq,hkv,dim",
+    [(9, 3, 64), (8, 8, 64), (8, 2, 128), (4, 1, 40)],  # SmolLM2; MHA; Llama-like; D not a multiple of 16
+)
+@pytest.mark.parametrize("seq_lens", [[1], [5, 17, 16, 33], [300, 2, 129]])
+def test_paged_decode_attention_matches_sdpa(hq, hkv, dim, seq_lens):
+    block_size = 16
+    meta = decode_meta(seq_lens, block_size, num_blocks=64, seed=len(seq_lens))
+    k_cache, v_cache = randn(64, block_size, hkv, dim, seed=1), randn(64, block_size, hkv, dim, seed=2)
+    # q as a strided view of a fused qkv output, the way the model passes it.
+    qkv = randn(len(seq_lens), (hq + 2 * hkv) * dim, seed=3)
+    q = qkv[:, : hq * dim].view(len(seq_lens), hq, dim)
+    k = qkv[:, hq * dim : (hq + hkv) * dim].view(len(seq_lens), hkv, dim)
+    v = qkv[:, (hq + hkv) * dim :].view(len(seq_lens), hkv, dim)
+    reference, kernel = TorchAttention(cpu_kernels=False), TorchAttention(cpu_kernels=True)
+    assert kernel.cpu_kernels and not reference.cpu_kernels
+    outs = []
+    for backend in (reference, kernel):
+        meta.backend_state = {}
+        backend.prepare(meta)
+        outs.append(backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta))
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-6, rtol=1e-5)
+
+
+def test_paged_decode_attention_rejects_bad_inputs():
+    q, out = randn(1, 4, 64), torch.empty(1, 4, 64)
+    cache = randn(4, 16, 2, 64)
+    ok_tables, lens = torch.tensor([[0, 1]]), torch.tensor([20])
+    op = torch.ops.sluice_cpu.paged_decode_attention
+    op(out, q, cache, cache, ok_tables, lens, 0.125)  # the valid call runs
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        op(out, q, cache, cache, torch.tensor([[0, 9]]), lens, 0.125)
+    with pytest.raises(RuntimeError, match="seq_len out of the block table's range"):
+        op(out, q, cache, cache, ok_tables, torch.tensor([40]), 0.125)
+    with pytest.raises(RuntimeError, match="float32 only"):
+        op(out.double(), q.double(), cache, cache, ok_tables, lens, 0.125)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("rows", [1, 37])
+def test_rms_norm(with_residual, rows):
+    wide = randn(rows, 700, seed=1) * 3
+    x = wide[:, :576]  # strided rows
+    residual = randn(rows, 576, seed=2) if with_residual else None
+    weight = randn(576, seed=3)
+    got = CpuOps().rms_norm(x, weight, 1e-5, residual)
+    want = TorchOps().rms_norm(x, weight, 1e-5, residual)
+    torch.testing.assert_close(got[1], want[1], atol=0, rtol=0)  # the sum is exact
+    torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 23])
+def test_rotary_in_place_on_fused_qkv_views(rows):
+    hq, hkv, dim = 9, 3, 64
+    qkv = randn(rows, (hq + 2 * hkv) * dim, seed=4)
+    positions = torch.randint(0, 4000, (rows,), generator=torch.Generator().manual_seed(5))
+    tables = rotary_tables(positions, inverse_frequencies(dim, {"rope_theta": 100000.0, "rope_type": "default"}))
+    want = qkv.clone()
+    for ops, buf in ((TorchOps(), want), (CpuOps(), qkv)):
+        q = buf[:, : hq * dim].view(rows, hq, dim)
+        k = buf[:, hq * dim : (hq + hkv) * dim].view(rows, hkv, dim)
+        ops.rotary_(q, k, tables)
+    torch.testing.assert_close(qkv, want, atol=1e-5, rtol=1e-5)
+    # v is untouched.
+    assert torch.equal(qkv[:, (hq + hkv) * dim :], randn(rows, (hq + 2 * hkv) * dim, seed=4)[:, (hq + hkv) * dim :])
+
+
+def test_silu_mul():
+    x = randn(19, 2 * 1536, seed=6) * 4
+    torch.testing.assert_close(CpuOps().silu_mul(x), TorchOps().silu_mul(x), atol=1e-6, rtol=1e-5)
+
+
+def test_other_dtypes_take_the_torch_path():
+    x = randn(3, 64, seed=7).to(torch.bfloat16)
+    weight = torch.ones(64, dtype=torch.bfloat16)
+    got = CpuOps().rms_norm(x, weight, 1e-6, None)
+    want = TorchOps().rms_norm(x, weight, 1e-6, None)
+    assert got[0].dtype == torch.bfloat16
+    torch.testing.assert_close(got[0], want[0], atol=0, rtol=0)

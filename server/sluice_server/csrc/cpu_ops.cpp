@@ -1,0 +1,121 @@
+// The small per-token ops of a decoder layer for the CPU shard (float32), each
+// one pass over its rows instead of the 3 to 16 eager torch ops it replaces
+// (per-op dispatch dominates these at decode batch sizes):
+//
+//   rms_norm(x, residual?, weight, eps) -> (normed, sum)
+//       sum = x + residual (or x); normed = sum * rsqrt(mean(sum^2) + eps) * weight
+//   rotary_(q, k, cos, sin)        GPT-NeoX rotate-half, in place; token t uses row t
+//   silu_mul(x) -> out             [T, 2I] -> silu(x[:, :I]) * x[:, I:]
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <optional>
+#include <tuple>
+
+namespace {
+
+void check_float_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, name, " must be float32");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, " must be [T, H] with contiguous rows");
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                                            const at::Tensor& weight, double eps) {
+  check_float_rows(x, "x");
+  const int64_t T = x.size(0), H = x.size(1);
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == H,
+              "weight must be float32 [H]");
+  at::Tensor sum = residual.has_value() ? at::empty({T, H}, x.options()) : x;
+  if (residual.has_value()) {
+    check_float_rows(*residual, "residual");
+    TORCH_CHECK(residual->sizes() == x.sizes(), "residual must have x's shape");
+  }
+  at::Tensor out = at::empty({T, H}, x.options());
+  const float* w = weight.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* xr = x.data_ptr<float>() + t * x.stride(0);
+      float* sr = sum.data_ptr<float>() + t * sum.stride(0);
+      if (residual.has_value()) {
+        const float* rr = residual->data_ptr<float>() + t * residual->stride(0);
+        for (int64_t i = 0; i < H; ++i) sr[i] = xr[i] + rr[i];
+      }
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < H; ++i) ss += sr[i] * sr[i];
+      const float r = 1.f / std::sqrt(ss / static_cast<float>(H) + e);
+      float* o = out.data_ptr<float>() + t * H;
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) o[i] = w[i] * (sr[i] * r);
+    }
+  });
+  return {out, sum};
+}
+
+void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin) {
+  for (const at::Tensor* x : {&q, &k}) {
+    TORCH_CHECK(x->scalar_type() == at::kFloat && x->dim() == 3 && x->stride(2) == 1,
+                "q and k must be float32 [T, H, D] with contiguous head vectors");
+  }
+  const int64_t T = q.size(0), D = q.size(2), half = D / 2;
+  TORCH_CHECK(k.size(0) == T && k.size(2) == D, "q and k must agree on T and D");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && cos.sizes() == sin.sizes() &&
+                  sin.is_contiguous() && cos.size(0) >= T && cos.size(1) == half,
+              "cos/sin must be float32 [T, D/2]");
+  const float* c = cos.data_ptr<float>();
+  const float* s = sin.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (at::Tensor* x : {&q, &k}) {
+      float* base = x->data_ptr<float>();
+      const int64_t heads = x->size(1), st = x->stride(0), sh = x->stride(1);
+      for (int64_t t = begin; t < end; ++t) {
+        const float* ct = c + t * half;
+        const float* sn = s + t * half;
+        for (int64_t h = 0; h < heads; ++h) {
+          float* x1 = base + t * st + h * sh;
+          float* x2 = x1 + half;
+#pragma omp simd
+          for (int64_t i = 0; i < half; ++i) {
+            const float a = x1[i], b = x2[i];
+            x1[i] = a * ct[i] - b * sn[i];
+            x2[i] = b * ct[i] + a * sn[i];
+          }
+        }
+      }
+    }
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& x) {
+  check_float_rows(x, "x");
+  const int64_t T = x.size(0), I = x.size(1) / 2;
+  TORCH_CHECK(x.size(1) % 2 == 0, "x must be [T, 2I]");
+  at::Tensor out = at::empty({T, I}, x.options());
+  at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* g = x.data_ptr<float>() + t * x.stride(0);
+      const float* u = g + I;
+      float* o = out.data_ptr<float>() + t * I;
+      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(sluice_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_mul(Tensor x) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(sluice_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rotary_", &rotary_);
+  m.impl("silu_mul", &silu_mul);
+}
