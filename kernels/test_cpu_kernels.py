@@ -1,13 +1,17 @@
 """The C++ CPU kernels (`sluice_server/csrc`, loaded by layers.cpu_kernels)
 against the plain-torch code they replace: TorchAttention's gather + SDPA
-decode path and TorchOps' RMSNorm, rotary and SiLU-and-mul."""
+decode path, TorchOps' RMSNorm, rotary and SiLU-and-mul, and float32 matmuls
+for the matmuls on GGUF blocks (whose expansion is checked against the gguf
+package's own dequantizer)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from sluice_server.layers import cpu_kernels
+from sluice_server.layers.gguf_weights import FORMATS, QuantizedWeight
 from sluice_server.layers.attention import AttentionMetadata, TorchAttention
 from sluice_server.layers.ops import CpuOps, TorchOps, rotary_tables
 from sluice_server.layers.rotary import inverse_frequencies
@@ -122,3 +126,51 @@ def test_other_dtypes_take_the_torch_path():
     want = TorchOps().rms_norm(x, weight, 1e-6, None)
     assert got[0].dtype == torch.bfloat16
     torch.testing.assert_close(got[0], want[0], atol=0, rtol=0)
+
+
+# --- matmuls on GGUF blocks -------------------------------------------------
+
+def random_blocks(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
+    """[n, k/32 * block_bytes] uint8 rows of random valid blocks: fp16 scale
+    (and min, Q4_1) then the quants, GGUF's layout."""
+    rng = np.random.default_rng(seed)
+    nb = k // 32
+    scale = rng.uniform(-0.05, 0.05, (n, nb, 1)).astype(np.float16).view(np.uint8)
+    if fmt == "Q4_1":
+        low = rng.uniform(-0.3, 0.0, (n, nb, 1)).astype(np.float16).view(np.uint8)
+        quants = rng.integers(0, 256, (n, nb, 16), dtype=np.uint8)
+        blocks = np.concatenate([scale, low, quants], axis=-1)
+    else:
+        quants = rng.integers(-128, 128, (n, nb, 32), dtype=np.int8).view(np.uint8)
+        blocks = np.concatenate([scale, quants], axis=-1)
+    return np.ascontiguousarray(blocks.reshape(n, -1))
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+def test_dequantize_matches_the_gguf_package(fmt):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    blocks = random_blocks(fmt, 37, 576, seed=1)
+    want = torch.from_numpy(dequantize(blocks, GGMLQuantizationType[fmt]).copy())
+    got = torch.ops.sluice_cpu.dequantize(torch.from_numpy(blocks).reshape(-1), FORMATS[fmt], 37, 576)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 20])
+def test_quant_linear_matches_float_linear(fmt, rows):
+    n, k = 45, 1536
+    blocks = torch.from_numpy(random_blocks(fmt, n, k, seed=rows)).reshape(-1)
+    weight = torch.ops.sluice_cpu.dequantize(blocks, FORMATS[fmt], n, k)
+    x = randn(rows, k + 64, seed=2)[:, :k]  # strided rows
+    got = QuantizedWeight(blocks, FORMATS[fmt], n).linear(x)
+    torch.testing.assert_close(got, x @ weight.T, atol=1e-4, rtol=1e-5)
+
+
+def test_quant_linear_rejects_mismatched_blocks():
+    blocks = torch.from_numpy(random_blocks("Q4_1", 4, 64, seed=3)).reshape(-1)
+    with pytest.raises(RuntimeError, match="holds 160 bytes, not the 320 of"):
+        torch.ops.sluice_cpu.quant_linear(randn(1, 64), blocks, FORMATS["Q4_1"], 8)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.sluice_cpu.quant_linear(randn(1, 48), blocks, FORMATS["Q4_1"], 4)

@@ -10,6 +10,8 @@ also undoes llama.cpp's q/k permutation) and writes the standard layout:
         tokenizer.json            fast tokenizer, readable by the Rust router
         tokenizer_config.json     with "chat_template"
         chat_template.jinja       the same template (newer transformers read this)
+        gguf_source.json          {"gguf": path of the .gguf}: a CPU shard also runs
+                                  its quantized blocks directly (layers.gguf_weights)
 
 key hashes the file's resolved path, size and mtime, so an edited or
 replaced file converts again while an unchanged one is reused. The folder
@@ -30,11 +32,18 @@ from pathlib import Path
 from sluice_server.download import ModelResolutionError, progress, check_model_folder
 
 
+# Part of the folder key: a change to what a converted folder holds converts again.
+FORMAT_VERSION = 2
+SOURCE_FILE = "gguf_source.json"
+
+
 def converted_folder(gguf_path: Path, cache: Path) -> Path:
     """Where `gguf_path` is (or will be) converted to inside `cache`."""
     resolved = gguf_path.resolve()
     stat = resolved.stat()
-    key = hashlib.sha256(f"{resolved}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        f"{resolved}\0{stat.st_size}\0{stat.st_mtime_ns}\0{FORMAT_VERSION}".encode()
+    ).hexdigest()[:16]
     return cache / f"{resolved.stem}-{key}"
 
 
@@ -82,6 +91,7 @@ def _write_folder(gguf_path: Path, folder: Path) -> None:
     tokenizer.save_pretrained(folder)
     _write_chat_template(folder, tokenizer.chat_template)
     _write_generation_config(folder, model.config, tokenizer)
+    (folder / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf_path)}) + "\n")
 
 
 def _dequantize_option() -> dict:

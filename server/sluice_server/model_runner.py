@@ -13,6 +13,7 @@ from sluice_server.batch import Batch, RequestState, Work, build_batch
 from sluice_server.distributed import SINGLE, Distributed
 from sluice_server.kv_cache import KVCache
 from sluice_server.layers.attention import get_backend
+from sluice_server.layers.gguf_weights import MAX_ROWS as GGUF_MAX_ROWS, attach_gguf_weights
 from sluice_server.layers.linear import pack_linear_weights
 from sluice_server.models import build_model, load_weights
 from sluice_server.pb import shard_pb2
@@ -101,8 +102,10 @@ class ModelRunner:
         self.model = build_model(self.config, dist, self.backend, self.dtype, self.device)
         load_weights(self.model, self.model_dir)
         if self.device.type == "cpu" and pack_weights:
+            quantized = attach_gguf_weights(self.model, self.model_dir, dist.world_size)
             packed = pack_linear_weights(self.model)
-            log.info("packed %d linear weights for oneDNN", packed)
+            log.info("packed %d linear weights for oneDNN; %d run GGUF blocks at <= %d rows",
+                     packed, quantized, GGUF_MAX_ROWS)
         cfg = self.model.config
         self.model_type: str = cfg.model_type
         self.vocab_size: int = cfg.vocab_size

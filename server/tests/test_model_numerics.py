@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sluice_server.layers import cpu_kernels
 from sluice_server.model_runner import ModelRunner
 from sluice_server.models import model_class
 
@@ -160,6 +161,11 @@ def test_smollm2_greedy_matches_transformers(smollm2_dir):
 
     runner = ModelRunner(smollm2_dir, dtype="auto", block_size=16)
     assert runner.dtype == torch.float32 and runner.vocab_size == 49152
+    # The decodes below (<= 4 rows) run on the GGUF's Q4_1/Q8_0 blocks where
+    # the CPU kernels could be built, prefill on the float32 weights.
+    if cpu_kernels.load():
+        assert runner.model.lm_head.quantized is not None
+        assert all(layer.mlp.down_proj.quantized is not None for layer in runner.model.model.layers)
     batched = shard_greedy(runner, prompts, NEW_TOKENS)
     alone = [shard_greedy(runner, [p], NEW_TOKENS)[0] for p in prompts]
     for i, text in enumerate(PROMPTS):

@@ -14,6 +14,8 @@ the callers keep their plain-torch path, which computes the same thing.
     rms_norm(x, residual, weight, eps) -> (normed, sum); rotary_(q, k, cos, sin);
     silu_mul(x): the small ops of a layer, one pass each (cpu_ops.cpp), used by
         layers.ops.CpuOps
+    quant_linear(x, blocks, format, out_features); dequantize(...): matmuls on
+        GGUF's Q4_1 / Q8_0 blocks (cpu_quant_linear.cpp), see layers.gguf_weights
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
-SOURCES = [CSRC / "cpu_attention.cpp", CSRC / "cpu_ops.cpp"]
-OPS = ("paged_decode_attention", "rms_norm", "rotary_", "silu_mul")
+SOURCES = [CSRC / "cpu_attention.cpp", CSRC / "cpu_ops.cpp", CSRC / "cpu_quant_linear.cpp"]
+OPS = ("paged_decode_attention", "rms_norm", "rotary_", "silu_mul", "quant_linear", "dequantize")
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
 

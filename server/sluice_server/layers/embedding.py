@@ -18,7 +18,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from sluice_server.distributed import Distributed
-from sluice_server.layers.linear import can_pack_for_cpu, pack_for_cpu, packed_linear
+from sluice_server.layers.linear import can_pack_for_cpu, pack_for_cpu, packed_linear, usable_for
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -59,6 +59,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """
 
     packed: torch.Tensor | None = None
+    quantized = None  # GGUF blocks (layers.gguf_weights)
 
     def pack_for_cpu_(self) -> bool:
         """Packs a copy of the weight for oneDNN (see layers.linear). The dense
@@ -69,7 +70,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
+        if self.quantized is not None and usable_for(x):
+            logits = self.quantized.linear(x)
+        elif self.packed is not None:
             logits = packed_linear(x, self.packed, None)
         else:
             logits = F.linear(x, self.weight)

@@ -57,6 +57,8 @@ class PackableLinear(nn.Module):
     """
 
     packed: torch.Tensor | None = None
+    # GGUF blocks of the same weight, for few-row matmuls (layers.gguf_weights).
+    quantized = None
 
     def pack_for_cpu_(self) -> bool:
         if self.packed is not None or not can_pack_for_cpu(self.weight):
@@ -66,9 +68,18 @@ class PackableLinear(nn.Module):
         return True
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quantized is not None and usable_for(x):
+            y = self.quantized.linear(x)
+            return y if bias is None else y + bias
         if self.packed is not None:
             return packed_linear(x, self.packed, bias)
         return F.linear(x, self.weight, bias)
+
+
+def usable_for(x: torch.Tensor) -> bool:
+    from sluice_server.layers.gguf_weights import usable_for as quantized_usable_for
+
+    return quantized_usable_for(x)
 
 
 def pack_linear_weights(model: nn.Module) -> int:

@@ -1,0 +1,136 @@
+"""GGUF's quantized weight blocks, run as they are on CPU for few-row matmuls.
+
+A model served from a .gguf is converted once to a float32 folder (see
+gguf_convert.py); that folder is what every path computes with. On CPU the
+weights of a decode step are read from memory once per step, which is the
+whole cost at small batches: Q4_1 blocks are 0.625 bytes per weight against
+float32's 4. So, for each linear layer whose GGUF tensors are in a block
+format the C++ kernel reads (Q4_1, Q8_0), the raw blocks are attached too,
+and matmuls of at most `MAX_ROWS` rows run on them (`cpu_kernels`
+`quant_linear`); larger ones (prefill, big decode batches) keep the packed
+float32 weights, where the kernel's on-the-fly expansion would cost more than
+the bytes it saves.
+
+Faithful by construction: the blocks are attached only where they expand to
+exactly the float32 weight the layer holds (the same numbers, summed in
+another order). The GGUF's row order differs for q/k (llama.cpp permutes
+them for its rotary layout), so each tensor's rows are matched to the
+layer's rows by content rather than by a hard-coded permutation.
+
+    ours                                  GGUF tensors (piece order)
+    layers.i.self_attn.qkv_proj           blk.i.attn_q, attn_k, attn_v
+    layers.i.self_attn.o_proj             blk.i.attn_output
+    layers.i.mlp.gate_up_proj             blk.i.ffn_gate, ffn_up
+    layers.i.mlp.down_proj                blk.i.ffn_down
+    lm_head                               output (or token_embd when tied)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from sluice_server.layers import cpu_kernels
+
+log = logging.getLogger(__name__)
+
+# GGUF tensor type name -> the kernel's format code.
+FORMATS = {"Q4_1": 0, "Q8_0": 1}
+# The kernel beats packed float32 up to this many rows (decode batches);
+# measured on the 2-core AVX2 development machine, see benchmarks/step_bench.py.
+# SLUICE_GGUF_MAX_ROWS overrides it (0: never use the blocks).
+MAX_ROWS = int(os.environ.get("SLUICE_GGUF_MAX_ROWS", "8"))
+SOURCE_FILE = "gguf_source.json"
+
+
+@dataclass
+class QuantizedWeight:
+    blocks: torch.Tensor  # uint8, [N * K/32 * block_bytes], rows in the layer's order
+    format: int
+    out_features: int
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.sluice_cpu.quant_linear(x, self.blocks, self.format, self.out_features)
+
+
+def usable_for(x: torch.Tensor) -> bool:
+    return x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu"
+
+
+def gguf_source(folder: Path) -> Path | None:
+    path = folder / SOURCE_FILE
+    if not path.is_file():
+        return None
+    gguf = Path(json.loads(path.read_text())["gguf"])
+    return gguf if gguf.is_file() else None
+
+
+def _pieces(model: nn.Module) -> list[tuple[nn.Module, list[str]]]:
+    out = []
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        out.append((attn.qkv_proj, [f"blk.{i}.attn_q.weight", f"blk.{i}.attn_k.weight", f"blk.{i}.attn_v.weight"]))
+        out.append((attn.o_proj, [f"blk.{i}.attn_output.weight"]))
+        out.append((mlp.gate_up_proj, [f"blk.{i}.ffn_gate.weight", f"blk.{i}.ffn_up.weight"]))
+        out.append((mlp.down_proj, [f"blk.{i}.ffn_down.weight"]))
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    out.append((model.lm_head, ["token_embd.weight" if tied else "output.weight"]))
+    return out
+
+
+def _match_rows(blocks: np.ndarray, fmt: int, want: torch.Tensor) -> np.ndarray | None:
+    """`blocks` [N, row_bytes] reordered so that row j expands to want[j], or None."""
+    n, k = want.shape
+    raw = torch.from_numpy(np.array(blocks, copy=True)).reshape(-1)
+    have = torch.ops.sluice_cpu.dequantize(raw, fmt, n, k)
+    if torch.equal(have, want):
+        return blocks
+    index = {have[i].numpy().tobytes(): i for i in range(n)}
+    try:
+        order = [index[want[j].numpy().tobytes()] for j in range(n)]
+    except KeyError:
+        return None
+    return blocks[order]
+
+
+def attach_gguf_weights(model: nn.Module, folder: Path, world_size: int) -> int:
+    """Attaches the GGUF blocks to every layer they match exactly (before the
+    float32 weights are packed); returns how many layers got them."""
+    gguf = gguf_source(folder)
+    if gguf is None or world_size != 1 or not cpu_kernels.load():
+        return 0
+    from gguf import GGUFReader
+
+    tensors = {t.name: t for t in GGUFReader(str(gguf)).tensors}
+    attached = 0
+    for module, names in _pieces(model):
+        if not all(name in tensors and tensors[name].tensor_type.name in FORMATS for name in names):
+            continue
+        formats = {FORMATS[tensors[name].tensor_type.name] for name in names}
+        weight = module.weight.detach()
+        if len(formats) != 1 or weight.dtype != torch.float32 or weight.shape[1] % 32:
+            continue
+        fmt = formats.pop()
+        rows, first = [], 0
+        for name in names:
+            blocks = tensors[name].data
+            n = blocks.shape[0]
+            matched = _match_rows(blocks, fmt, weight[first : first + n])
+            if matched is None:
+                break
+            rows.append(matched)
+            first += n
+        if first != weight.shape[0] or len(rows) != len(names):
+            log.warning("GGUF blocks of %s do not match the loaded weight; using float32 only", names[0])
+            continue
+        blocks = torch.from_numpy(np.concatenate(rows)).reshape(-1)
+        module.quantized = QuantizedWeight(blocks, fmt, weight.shape[0])
+        attached += 1
+    return attached
