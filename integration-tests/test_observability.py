@@ -249,9 +249,11 @@ def promtool() -> str:
 
 
 def test_metrics_lint_and_move_by_the_right_amounts(tiny_model_dir, tmp_path):
-    server = start_launcher("--model-id", str(tiny_model_dir), tmp=tmp_path)
+    launched = time.monotonic()
+    server = start_launcher("--model-id", str(tiny_model_dir), "--hourly-cost", "2.5", tmp=tmp_path)
     try:
         model = served_model(server)
+        traffic_started = time.monotonic()
         chat(server, model, max_tokens=2)  # every series exists from here on
         before = parse_metrics(httpx.get(f"{server.base_url}/metrics", timeout=10).text)
         usages = [chat(server, model, max_tokens=n)["usage"] for n in (3, 5, 7)]
@@ -259,6 +261,8 @@ def test_metrics_lint_and_move_by_the_right_amounts(tiny_model_dir, tmp_path):
         bad = httpx.post(f"{server.base_url}/v1/chat/completions", json={"model": model, "messages": []}, timeout=30)
         assert bad.status_code in (400, 422), bad.text
         text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+        scraped = time.monotonic()
+        info = httpx.get(f"{server.base_url}/info", timeout=10).json()
     finally:
         server.stop()
     check = subprocess.run([promtool(), "check", "metrics"], input=text, capture_output=True, text=True)
@@ -296,6 +300,16 @@ def test_metrics_lint_and_move_by_the_right_amounts(tiny_model_dir, tmp_path):
     # Buckets fit LLM latencies: sub-10 ms to minutes.
     buckets = [k for k in after if k.startswith("sluice_time_to_first_token_seconds_bucket")]
     assert any('le="0.005"' in k for k in buckets) and any('le="60"' in k for k in buckets), buckets
+
+    # The price, and the window gauges (promtool checked them above).
+    assert info["hourly_cost"] == 2.5
+    assert after["sluice_hourly_cost_dollars"] == 2.5
+    assert 0 < after["sluice_prefix_cache_hit_ratio"] < 1
+    # All 2 + 15 tokens fall in the 60 s window, which covers at most the time
+    # since the launcher started: that bounds dollars per million tokens.
+    assert scraped - traffic_started < 60, "the requests outlasted the cost window"
+    most = 2.5 * (scraped - launched) / 3600 / (2 + completion) * 1e6
+    assert 0 < after["sluice_cost_dollars_per_million_output_tokens"] <= most
 
 
 # --- logs ----------------------------------------------------------------------------------------

@@ -162,9 +162,15 @@ pub struct Args {
     #[arg(long, env = "KV_CACHE_BYTES")]
     pub kv_cache_bytes: Option<u64>,
 
-    /// Cost of the deployment per hour (accepted; reported by a later version of the router).
-    #[arg(long, env = "HOURLY_COST")]
+    /// What the deployment costs per hour, in dollars: the router shows it in /info and
+    /// reports dollars per million output tokens on /metrics.
+    #[arg(long, env = "HOURLY_COST", value_name = "DOLLARS", value_parser = parse_hourly_cost)]
     pub hourly_cost: Option<f64>,
+
+    /// Seconds of recent traffic behind the router's window gauges (cost per million output
+    /// tokens, prefix-cache hit ratio). Default: the router's (60).
+    #[arg(long, env = "COST_WINDOW_SECS", value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub cost_window_secs: Option<u64>,
 }
 
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -172,6 +178,15 @@ pub enum Device {
     Auto,
     Cpu,
     Cuda,
+}
+
+/// The router checks the price too; checking here reports a bad one before
+/// the shards spend minutes loading weights.
+fn parse_hourly_cost(value: &str) -> Result<f64, String> {
+    match value.parse::<f64>() {
+        Ok(dollars) if dollars.is_finite() && dollars >= 0.0 => Ok(dollars),
+        _ => Err(format!("`{value}` is not a price: give dollars per hour, a number >= 0 (e.g. 2.5)")),
+    }
 }
 
 fn parse_quantize(value: &str) -> Result<String, String> {
@@ -279,6 +294,7 @@ mod tests {
             "--payload-limit", "10", "--max-stop-sequences", "2", "--max-top-n-tokens", "3",
             "--served-model-name", "m", "--chat-template", "t.jinja", "--shutdown-timeout", "5",
             "--trust-remote-code", "--kv-cache-bytes", "1000000", "--hourly-cost", "1.5",
+            "--cost-window-secs", "30",
         ])
         .unwrap();
         assert_eq!(a.model_to_resolve(), "org/name");
@@ -289,7 +305,7 @@ mod tests {
         assert!(!a.prefix_caching());
         assert_eq!(a.cors_allow_origin, vec!["http://a", "http://b"]);
         assert_eq!(a.kv_cache_bytes, Some(1_000_000));
-        assert_eq!(a.hourly_cost, Some(1.5));
+        assert_eq!((a.hourly_cost, a.cost_window_secs), (Some(1.5), Some(30)));
         assert!(a.json_output && a.trust_remote_code);
     }
 
@@ -311,6 +327,11 @@ mod tests {
         let err = parse(&["--port", "70000"]).unwrap_err().to_string();
         assert!(err.contains("--port"), "{err}");
         assert!(parse(&["--dtype", "int3"]).is_err());
+        for bad in ["--hourly-cost=-1", "--hourly-cost=nan", "--hourly-cost=inf"] {
+            let err = parse(&[bad]).unwrap_err().to_string();
+            assert!(err.contains("--hourly-cost") && err.contains("not a price"), "{err}");
+        }
+        assert!(parse(&["--cost-window-secs", "0"]).is_err());
         assert!(parse(&["--no-such-flag"]).is_err());
     }
 
@@ -329,6 +350,7 @@ mod tests {
             ("OTEL_SERVICE_NAME", "sluice-test"),
             ("HUGGINGFACE_HUB_CACHE", "/hub-cache"),
             ("KV_CACHE_BYTES", "4096"),
+            ("HOURLY_COST", "0.75"),
         ];
         let env = ENV_LOCK.write().unwrap_or_else(|e| e.into_inner());
         for (k, v) in vars {
@@ -352,6 +374,7 @@ mod tests {
         assert_eq!(a.otlp_service_name.as_deref(), Some("sluice-test"));
         assert_eq!(a.huggingface_hub_cache, Some(PathBuf::from("/hub-cache")));
         assert_eq!(a.kv_cache_bytes, Some(4096));
+        assert_eq!(a.hourly_cost, Some(0.75));
         let b = flag_wins.unwrap();
         assert_eq!(b.port, 1234);
         assert_eq!(b.huggingface_hub_cache, Some(PathBuf::from("/flag")));

@@ -67,6 +67,13 @@ pub fn command(router: &Path, args: &Args, model_dir: &Path, model_name: &str) -
             command.arg(flag).arg(value.to_string());
         }
     }
+    // f64's Display round-trips: the router parses back the same price.
+    if let Some(dollars) = args.hourly_cost {
+        command.arg("--hourly-cost").arg(dollars.to_string());
+    }
+    if let Some(secs) = args.cost_window_secs {
+        command.arg("--cost-window-secs").arg(secs.to_string());
+    }
     let optional_strings = [
         ("--served-model-name", &args.served_model_name),
         ("--chat-template", &args.chat_template),
@@ -171,14 +178,16 @@ mod tests {
             "--max-input-tokens", "10", "--max-total-tokens", "20", "--max-batch-prefill-tokens", "30",
             "--max-batch-total-tokens", "40", "--max-batch-size", "5", "--served-model-name", "m",
             "--chat-template", "{{x}}", "--api-key", "k", "--otlp-endpoint", "http://o", "--otlp-service-name", "s",
-            "--cors-allow-origin", "http://a,http://b", "--no-prefix-caching", "--json-output", "--hourly-cost", "2",
+            "--cors-allow-origin", "http://a,http://b", "--no-prefix-caching", "--json-output", "--hourly-cost", "2.75",
+            "--cost-window-secs", "30",
         ]);
         let tail = &got[20..];
         assert_eq!(
             tail,
             [
                 "--max-input-tokens", "10", "--max-total-tokens", "20", "--max-batch-prefill-tokens", "30",
-                "--max-batch-total-tokens", "40", "--max-batch-size", "5", "--served-model-name", "m",
+                "--max-batch-total-tokens", "40", "--max-batch-size", "5", "--hourly-cost", "2.75",
+                "--cost-window-secs", "30", "--served-model-name", "m",
                 "--chat-template", "{{x}}", "--api-key", "k", "--otlp-endpoint", "http://o",
                 "--otlp-service-name", "s", "--cors-allow-origin", "http://a", "--cors-allow-origin", "http://b",
                 "--no-prefix-caching", "--json-output",

@@ -158,6 +158,7 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
         num_blocks,
         prefix_caching: !config.no_prefix_caching,
         eos_token_ids: shard_info.eos_token_ids.clone(),
+        metrics_window: config.cost_window(),
     };
     // The recorder first: the scheduler describes its series when it starts.
     let metrics = crate::metrics::install();
@@ -200,6 +201,7 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
             attention_backend: info.attention_backend.clone(),
             router: "sluice".into(),
             version: env!("CARGO_PKG_VERSION").into(),
+            hourly_cost: config.hourly_cost,
         },
         model_names: vec![config.served_model_name().to_string(), config.model_id.clone()],
         metrics,

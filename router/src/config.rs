@@ -83,6 +83,25 @@ pub struct RouterConfig {
     /// `service.name` of the exported spans.
     #[arg(long, env = "OTEL_SERVICE_NAME", default_value = "sluice-router")]
     pub otlp_service_name: String,
+    /// What the deployment costs per hour, in dollars: shown in /info, and
+    /// /metrics turns it into dollars per million output tokens.
+    #[arg(long, env = "HOURLY_COST", value_name = "DOLLARS", value_parser = parse_hourly_cost)]
+    pub hourly_cost: Option<f64>,
+    /// Seconds of recent traffic behind the window gauges of /metrics (cost
+    /// per million output tokens, prefix-cache hit ratio).
+    #[arg(long, env = "COST_WINDOW_SECS", default_value_t = 60,
+          value_parser = clap::value_parser!(u64).range(1..=MAX_COST_WINDOW_SECS))]
+    pub cost_window_secs: u64,
+}
+
+/// An hour: a longer window would hide what the price buys now.
+const MAX_COST_WINDOW_SECS: u64 = 3600;
+
+fn parse_hourly_cost(value: &str) -> Result<f64, String> {
+    match value.parse::<f64>() {
+        Ok(dollars) if dollars.is_finite() && dollars >= 0.0 => Ok(dollars),
+        _ => Err(format!("`{value}` is not a price: give dollars per hour, a number >= 0 (e.g. 2.5)")),
+    }
 }
 
 /// Request and batch limits after defaults were filled in.
@@ -114,6 +133,10 @@ impl RouterConfig {
 
     pub fn shutdown_timeout(&self) -> Duration {
         Duration::from_secs(self.shutdown_timeout)
+    }
+
+    pub fn cost_window(&self) -> Duration {
+        Duration::from_secs(self.cost_window_secs)
     }
 
     /// Fills in defaults from the model's `max_position_embeddings` (0:
@@ -194,5 +217,26 @@ mod tests {
         assert_eq!(config.cors_allow_origin, ["a", "b"]);
         assert!(config.json_output);
         assert!(RouterConfig::try_parse_from(["sluice-router", "--tokenizer", "m", "--port", "x"]).is_err());
+    }
+
+    #[test]
+    fn price_and_window() {
+        let config = parse(&[]);
+        assert_eq!((config.hourly_cost, config.cost_window()), (None, Duration::from_secs(60)));
+        let config = parse(&["--hourly-cost", "2.5", "--cost-window-secs", "30"]);
+        assert_eq!((config.hourly_cost, config.cost_window_secs), (Some(2.5), 30));
+        assert_eq!(parse(&["--hourly-cost", "0"]).hourly_cost, Some(0.0));
+        let try_parse = |args: &[&str]| {
+            let mut argv = vec!["sluice-router", "--tokenizer", "model"];
+            argv.extend_from_slice(args);
+            RouterConfig::try_parse_from(argv).map_err(|e| e.to_string())
+        };
+        for bad in ["--hourly-cost=-1", "--hourly-cost=nan", "--hourly-cost=inf", "--hourly-cost=$2"] {
+            let err = try_parse(&[bad]).unwrap_err();
+            assert!(err.contains("--hourly-cost") && err.contains("not a price"), "{bad}: {err}");
+        }
+        for bad in ["--cost-window-secs=0", "--cost-window-secs=3601"] {
+            assert!(try_parse(&[bad]).unwrap_err().contains("--cost-window-secs"), "{bad}");
+        }
     }
 }

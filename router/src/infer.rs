@@ -181,6 +181,8 @@ pub struct SchedulerStats {
     pub evicted_blocks: u64,
     pub prefix_hit_tokens: u64,
     pub prefix_lookup_tokens: u64,
+    /// Token counts of recent traffic (`--cost-window-secs`).
+    pub window: crate::scheduler::WindowTotals,
 }
 
 /// Cheap to clone; every handler holds one.

@@ -2,12 +2,21 @@
 //! model), installed once; `/metrics` renders it. HTTP-level series are
 //! recorded here; the scheduler records its own series (queue, batch, KV
 //! blocks, prefix cache) with the `metrics` macros, all named `sluice_*`.
+//!
+//! The window gauges (price, cost per token, prefix-cache hit ratio over
+//! recent traffic) are not in the recorder: /metrics computes them from the
+//! app's configuration and a scheduler snapshot and appends them with
+//! [`render_window`], because a series must be able to vanish (a recorder
+//! gauge, once set, stays) and each app has its own price and window.
 
 use std::sync::OnceLock;
 use std::time::Duration;
 
 use metrics::{counter, describe_counter, describe_histogram, histogram, Unit};
+use metrics_exporter_prometheus::formatting::{write_help_line, write_metric_line, write_type_line};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+use crate::scheduler::WindowTotals;
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 
@@ -72,4 +81,90 @@ pub fn tokens(prompt: usize, generated: u32) {
     histogram!("sluice_request_generated_tokens").record(f64::from(generated));
     counter!("sluice_prompt_tokens_total").increment(prompt as u64);
     counter!("sluice_generated_tokens_total").increment(u64::from(generated));
+}
+
+/// Appends the window gauges to a rendered exposition, in the recorder's
+/// format. A gauge whose value is undefined is left out rather than given a
+/// made-up number:
+///
+/// | gauge | present when |
+/// |---|---|
+/// | `sluice_hourly_cost_dollars` | `--hourly-cost` is set |
+/// | `sluice_cost_dollars_per_million_output_tokens` | `--hourly-cost` is set and the window has output tokens |
+/// | `sluice_prefix_cache_hit_ratio` | the window has prompt tokens looked up in the prefix cache |
+pub fn render_window(out: &mut String, hourly_cost: Option<f64>, window: Option<&WindowTotals>) {
+    if let Some(dollars) = hourly_cost {
+        write_gauge(out, "sluice_hourly_cost_dollars", "Configured cost of the deployment per hour (--hourly-cost)", dollars);
+    }
+    let Some(window) = window else { return };
+    let span = window.span.as_secs();
+    if let Some(cost) = hourly_cost.and_then(|dollars| window.dollars_per_million_output_tokens(dollars)) {
+        let help = format!(
+            "Dollars per million output tokens over the last {span} s: hourly cost / (output tokens/s * 3600) * 1e6; absent while no token was generated in the window"
+        );
+        write_gauge(out, "sluice_cost_dollars_per_million_output_tokens", &help, cost);
+    }
+    if let Some(ratio) = window.prefix_cache_hit_ratio() {
+        let help = format!(
+            "Share of the prompt tokens looked up in the prefix cache over the last {span} s that it served; absent while none were looked up"
+        );
+        write_gauge(out, "sluice_prefix_cache_hit_ratio", &help, ratio);
+    }
+}
+
+fn write_gauge(out: &mut String, name: &str, help: &str, value: f64) {
+    write_help_line(out, name, help);
+    write_type_line(out, name, "gauge");
+    write_metric_line::<&str, f64>(out, name, None, &[], None, value, None);
+    out.push('\n');
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::scheduler::TokenCounts;
+
+    fn window(output: u64, prompt: u64, cached_prompt: u64) -> WindowTotals {
+        WindowTotals {
+            span: Duration::from_secs(60),
+            covered: Duration::from_secs(60),
+            counts: TokenCounts { output, prompt, cached_prompt },
+        }
+    }
+
+    fn render(hourly_cost: Option<f64>, window: Option<&WindowTotals>) -> String {
+        let mut out = String::new();
+        render_window(&mut out, hourly_cost, window);
+        out
+    }
+
+    #[test]
+    fn window_gauges_in_exposition_format() {
+        // 3600 tokens in 60 s = 60 tokens/s; $2.16/h / (60 * 3600) * 1e6 = $10.
+        let text = render(Some(2.16), Some(&window(3600, 100, 25)));
+        let lines: Vec<&str> = text.lines().filter(|l| !l.starts_with('#') && !l.is_empty()).collect();
+        assert_eq!(lines[0], "sluice_hourly_cost_dollars 2.16");
+        let (name, cost) = lines[1].split_once(' ').unwrap();
+        assert_eq!(name, "sluice_cost_dollars_per_million_output_tokens");
+        assert!((cost.parse::<f64>().unwrap() - 10.0).abs() < 1e-9, "{cost}");
+        assert_eq!(lines[2], "sluice_prefix_cache_hit_ratio 0.25");
+        assert!(text.contains("# TYPE sluice_cost_dollars_per_million_output_tokens gauge\n"));
+        assert!(text.contains("over the last 60 s"));
+    }
+
+    #[test]
+    fn undefined_gauges_are_left_out() {
+        // No price: neither price nor cost, the ratio still.
+        let text = render(None, Some(&window(3600, 100, 25)));
+        assert!(!text.contains("dollars") && text.contains("sluice_prefix_cache_hit_ratio 0.25"), "{text}");
+        // An idle window: the price only.
+        let text = render(Some(1.0), Some(&window(0, 0, 0)));
+        assert!(text.contains("sluice_hourly_cost_dollars 1\n"), "{text}");
+        assert!(!text.contains("per_million") && !text.contains("hit_ratio"), "{text}");
+        // No scheduler snapshot: the price only.
+        assert_eq!(render(Some(1.0), None).matches("# TYPE").count(), 1);
+        assert_eq!(render(None, None), "");
+    }
 }

@@ -54,6 +54,8 @@ pub struct Info {
     pub attention_backend: String,
     pub router: String,
     pub version: String,
+    /// Dollars per hour (`--hourly-cost`); null when not configured.
+    pub hourly_cost: Option<f64>,
 }
 
 pub struct AppState {
@@ -260,11 +262,12 @@ async fn info(State(state): State<Arc<AppState>>) -> Json<Info> {
 
 #[utoipa::path(get, path = "/metrics", responses((status = 200, description = "Prometheus text format", body = String)))]
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
-    (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        state.metrics.render(),
-    )
-        .into_response()
+    let mut text = state.metrics.render();
+    // None when the scheduler is gone: the price is still shown, the window
+    // gauges are left out.
+    let window = state.infer.stats().await.map(|stats| stats.window);
+    crate::metrics::render_window(&mut text, state.info.hourly_cost, window.as_ref());
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
 #[derive(Debug, Deserialize, ToSchema)]

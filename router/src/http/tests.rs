@@ -14,12 +14,13 @@ use tower::ServiceExt;
 use super::{app, readiness, AppState, HttpOptions, Info};
 use crate::fake_shard::{FakeShard, FakeShardConfig};
 use crate::infer::{SchedulerStats, ShardInfo};
-use crate::scheduler::{spawn, SchedulerConfig};
+use crate::scheduler::{spawn, SchedulerConfig, TokenCounts};
 
 struct Setup {
     fake: FakeShardConfig,
     max_concurrent_requests: u32,
     payload_limit: usize,
+    hourly_cost: Option<f64>,
 }
 
 impl Default for Setup {
@@ -29,6 +30,7 @@ impl Default for Setup {
             fake: FakeShardConfig { vocab_size: 267, eos_token_id: 2, num_blocks: 64, block_size: 4, ..Default::default() },
             max_concurrent_requests: 64,
             payload_limit: 4096,
+            hourly_cost: None,
         }
     }
 }
@@ -44,6 +46,7 @@ fn build(setup: Setup) -> (Router, Arc<AppState>) {
         num_blocks: fake.num_blocks,
         prefix_caching: true,
         eos_token_ids: vec![fake.eos_token_id],
+        metrics_window: Duration::from_secs(60),
     };
     let info = ShardInfo {
         model_type: "llama".into(),
@@ -85,6 +88,7 @@ fn build(setup: Setup) -> (Router, Arc<AppState>) {
             attention_backend: "torch".into(),
             router: "sluice".into(),
             version: "test".into(),
+            hourly_cost: setup.hourly_cost,
         },
         model_names: vec!["tiny".into(), "org/tiny".into()],
         metrics: crate::metrics::install(),
@@ -336,6 +340,7 @@ async fn info_models_tokenize_metrics_and_openapi() {
     assert_eq!(status, StatusCode::OK);
     let info: Value = serde_json::from_str(&info).unwrap();
     assert_eq!((info["model_id"].as_str(), info["router"].as_str(), info["max_best_of"].as_u64()), (Some("org/tiny"), Some("sluice"), Some(1)));
+    assert!(info["hourly_cost"].is_null(), "no price configured: {info}");
     let (_, _, models) = call(&app, "GET", "/v1/models", None).await;
     assert_eq!(serde_json::from_str::<Value>(&models).unwrap()["data"][0]["id"], "tiny");
     let (status, tokens) = post(&app, "/tokenize", json!({"inputs": "Hello"})).await;
@@ -345,6 +350,7 @@ async fn info_models_tokenize_metrics_and_openapi() {
     let (status, _, metrics) = call(&app, "GET", "/metrics", None).await;
     assert_eq!(status, StatusCode::OK);
     assert!(metrics.contains("sluice_requests_total"), "{metrics}");
+    assert!(!metrics.contains("dollars"), "no price, no cost gauges");
     let (status, _, doc) = call(&app, "GET", "/openapi.json", None).await;
     assert_eq!(status, StatusCode::OK);
     let doc: Value = serde_json::from_str(&doc).unwrap();
@@ -352,4 +358,51 @@ async fn info_models_tokenize_metrics_and_openapi() {
     for path in ["/generate", "/generate_stream", "/v1/chat/completions", "/v1/completions", "/tokenize", "/info"] {
         assert!(doc["paths"][path].is_object(), "{path} missing");
     }
+    assert!(doc["components"]["schemas"]["Info"]["properties"]["hourly_cost"].is_object());
+}
+
+/// One unlabelled sample of an exposition.
+fn sample(metrics: &str, name: &str) -> Option<f64> {
+    metrics.lines().find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+}
+
+#[tokio::test]
+async fn price_in_info_and_window_gauges_in_metrics() {
+    let before_build = Instant::now();
+    let (app, state) = build(Setup { hourly_cost: Some(2.5), ..Default::default() });
+    let built = Instant::now();
+    let (_, _, info) = call(&app, "GET", "/info", None).await;
+    assert_eq!(serde_json::from_str::<Value>(&info).unwrap()["hourly_cost"], 2.5);
+
+    // No traffic yet: the price, and no made-up cost or ratio.
+    let (_, _, metrics) = call(&app, "GET", "/metrics", None).await;
+    assert_eq!(sample(&metrics, "sluice_hourly_cost_dollars"), Some(2.5), "{metrics}");
+    assert_eq!(sample(&metrics, "sluice_cost_dollars_per_million_output_tokens"), None);
+    assert_eq!(sample(&metrics, "sluice_prefix_cache_hit_ratio"), None);
+
+    // The same 9-token prompt twice: the second reuses its 2 full blocks.
+    let body = json!({"model": "tiny", "prompt": [1, 263, 264, 265, 266, 263, 264, 265, 266], "max_tokens": 3, "temperature": 0});
+    let mut usages = Vec::new();
+    for _ in 0..2 {
+        let (status, response) = post(&app, "/v1/completions", body.clone()).await;
+        assert_eq!(status, StatusCode::OK, "{response}");
+        usages.push(response["usage"].clone());
+    }
+    let sum = |pick: &dyn Fn(&Value) -> &Value| usages.iter().map(|u| pick(u).as_u64().unwrap()).sum::<u64>();
+    let output = sum(&|u| &u["completion_tokens"]);
+    let prompt = sum(&|u| &u["prompt_tokens"]);
+    let cached = sum(&|u| &u["prompt_tokens_details"]["cached_tokens"]);
+    assert_eq!((prompt, cached), (18, 8), "{usages:?}");
+    let window = state.infer.stats().await.unwrap().window;
+    assert_eq!(window.counts, TokenCounts { output, prompt, cached_prompt: cached });
+
+    let least_covered = built.elapsed();
+    let (_, _, metrics) = call(&app, "GET", "/metrics", None).await;
+    let most_covered = before_build.elapsed();
+    assert_eq!(sample(&metrics, "sluice_prefix_cache_hit_ratio"), Some(8.0 / 18.0), "{metrics}");
+    // The window (60 s) covers the whole test: the cost is the price of the
+    // time since the scheduler started, spread over the tokens generated.
+    let cost = sample(&metrics, "sluice_cost_dollars_per_million_output_tokens").expect("tokens were generated");
+    let cost_of = |covered: Duration| 2.5 * covered.as_secs_f64() / 3600.0 / output as f64 * 1e6;
+    assert!(cost_of(least_covered) <= cost && cost <= cost_of(most_covered), "{cost}");
 }

@@ -22,7 +22,7 @@ use std::time::Instant;
 
 use super::queue::admission_order;
 use super::step::{Planned, StepPlan};
-use super::Scheduler;
+use super::{Scheduler, TokenCounts};
 
 impl Scheduler {
     pub(crate) fn admit(&mut self, plan: &mut StepPlan, budget: &mut usize) {
@@ -31,6 +31,7 @@ impl Scheduler {
         }
         let order = admission_order(self.waiting.iter(), &self.kv);
         let mut latest_admitted = None;
+        let mut looked_up = TokenCounts::default();
         for id in order {
             if *budget == 0 || self.running.len() >= self.config.max_batch_size as usize {
                 break;
@@ -60,6 +61,8 @@ impl Scheduler {
                 self.stats.prefix_hit_tokens += r.num_computed as u64;
                 metrics::counter!("sluice_prefix_cache_lookup_tokens_total").increment(r.tokens.len() as u64);
                 metrics::counter!("sluice_prefix_cache_hit_tokens_total").increment(r.num_computed as u64);
+                looked_up.prompt += r.tokens.len() as u64;
+                looked_up.cached_prompt += r.num_computed as u64;
             }
             if !r.prefill_sent {
                 r.cached_tokens = r.num_computed as u32;
@@ -73,6 +76,9 @@ impl Scheduler {
             plan.entries.push(Planned { id, num_new, is_new: true, first_new_block: 0 });
             self.running.push(r);
             latest_admitted = latest_admitted.max(Some(id));
+        }
+        if looked_up.prompt > 0 {
+            self.window.record(Instant::now(), looked_up);
         }
         if let Some(latest) = latest_admitted {
             // Ids follow arrival: an older request still waiting was passed

@@ -16,7 +16,7 @@ use crate::infer::{FinishReason, GeneratedToken, InferError, InferEvent, TokenLo
 use crate::pb;
 
 use super::step::StepPlan;
-use super::Scheduler;
+use super::{Scheduler, TokenCounts};
 
 impl Scheduler {
     pub(crate) fn apply(&mut self, plan: StepPlan, result: Result<pb::StepResponse, ClientError>, started: Instant) {
@@ -59,6 +59,7 @@ impl Scheduler {
         let mut generations: HashMap<u64, pb::Generation> =
             response.generations.into_iter().map(|g| (g.id, g)).collect();
         let errors: HashMap<u64, String> = response.errors.into_iter().map(|e| (e.id, e.message)).collect();
+        let mut sampled = 0;
         for entry in plan.entries {
             let Some(index) = self.position(entry.id) else { continue };
             if let Some(message) = errors.get(&entry.id) {
@@ -89,7 +90,11 @@ impl Scheduler {
                 self.retire(r, false);
                 continue;
             };
+            sampled += 1;
             self.on_token(index, generation);
+        }
+        if sampled > 0 {
+            self.window.record(Instant::now(), TokenCounts { output: sampled, ..Default::default() });
         }
         if !generations.is_empty() {
             tracing::warn!(ids = ?generations.keys().collect::<Vec<_>>(), "tokens for requests that did not sample");

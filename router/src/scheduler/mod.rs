@@ -15,6 +15,8 @@
 //!
 //! Commands keep arriving while a step is in flight (submissions join the
 //! waiting queue); the next step is built as soon as the last one returns.
+//! A `Stats` snapshot carries the token counts of recent traffic
+//! (`window.rs`), from which /metrics derives its window gauges.
 //!
 //! Invariants of [`Scheduler`], asserted after every step in debug builds
 //! (`check_invariants`):
@@ -38,10 +40,13 @@ mod queue;
 mod request;
 mod step;
 mod trace;
+mod window;
+
+pub use window::{TokenCounts, WindowTotals};
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot};
 
@@ -50,6 +55,7 @@ use crate::infer::{Command, Entry, Infer, InferError, SchedulerStats, ShardInfo}
 
 use kv::KvCache;
 use request::Request;
+use window::TokenWindow;
 
 /// The scheduler's limits, fixed at startup.
 #[derive(Debug, Clone)]
@@ -67,6 +73,9 @@ pub struct SchedulerConfig {
     pub num_blocks: u32,
     pub prefix_caching: bool,
     pub eos_token_ids: Vec<u32>,
+    /// Span of the sliding window behind the window gauges of /metrics
+    /// (`--cost-window-secs`, at least one second).
+    pub metrics_window: Duration,
 }
 
 /// Starts the scheduler task; the returned handle submits to it. The task
@@ -135,6 +144,8 @@ pub(crate) struct Scheduler {
     draining: bool,
     drained: Vec<oneshot::Sender<()>>,
     stats: SchedulerStats,
+    /// Recent token counts (window.rs), reported with every snapshot.
+    window: TokenWindow,
 }
 
 impl Scheduler {
@@ -146,6 +157,7 @@ impl Scheduler {
         }
         let kv = KvCache::new(config.num_blocks, config.block_size, config.prefix_caching);
         let stats = SchedulerStats { blocks_total: config.num_blocks, ..Default::default() };
+        let window = TokenWindow::new(config.metrics_window, Instant::now());
         Self {
             config,
             waiting: VecDeque::new(),
@@ -157,6 +169,7 @@ impl Scheduler {
             draining: false,
             drained: Vec::new(),
             stats,
+            window,
         }
     }
 
@@ -240,6 +253,7 @@ impl Scheduler {
             blocks_total: self.config.num_blocks,
             blocks_free: self.kv.num_free(),
             blocks_cached: self.kv.num_cached(),
+            window: self.window.totals(Instant::now()),
             ..self.stats.clone()
         }
     }

@@ -25,6 +25,7 @@ pub fn scheduler_config(fake: &FakeShardConfig) -> SchedulerConfig {
         num_blocks: fake.num_blocks,
         prefix_caching: true,
         eos_token_ids: vec![fake.eos_token_id],
+        metrics_window: Duration::from_secs(60),
     }
 }
 
