@@ -512,7 +512,9 @@ mod fake {
 
     fn record_event(event: &str) {
         let mut f = std::fs::OpenOptions::new().create(true).append(true).open(dir().join("events")).unwrap();
-        writeln!(f, "{event}").unwrap();
+        // One write per line: with O_APPEND a single small write lands whole,
+        // while writeln! may split it and interleave with another shard's.
+        f.write_all(format!("{event}\n").as_bytes()).unwrap();
     }
 
     /// Writes our pid and our arguments (plus the distributed environment).
