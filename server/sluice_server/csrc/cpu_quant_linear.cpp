@@ -60,10 +60,16 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+inline float half_f16c(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
 inline void dequant_avx2(Format f, const uint8_t* blk, __m256 w[4]) {
-  const __m256 d = _mm256_set1_ps(half_to_float(blk));
+  const __m256 d = _mm256_set1_ps(half_f16c(blk));
   if (f == Format::Q4_1) {
-    const __m256 m = _mm256_set1_ps(half_to_float(blk + 2));
+    const __m256 m = _mm256_set1_ps(half_f16c(blk + 2));
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
     const __m128i mask = _mm_set1_epi8(15);
     const __m128i lo = _mm_and_si128(bytes, mask);

@@ -46,7 +46,7 @@ FORMATS = {"Q4_1": 0, "Q8_0": 1}
 # The kernel beats packed float32 up to this many rows (decode batches);
 # measured on the 2-core AVX2 development machine, see benchmarks/step_bench.py.
 # SLUICE_GGUF_MAX_ROWS overrides it (0: never use the blocks).
-MAX_ROWS = int(os.environ.get("SLUICE_GGUF_MAX_ROWS", "8"))
+MAX_ROWS = int(os.environ.get("SLUICE_GGUF_MAX_ROWS", "16"))
 SOURCE_FILE = "gguf_source.json"
 
 
