@@ -35,20 +35,40 @@ class KVBudgetError(RuntimeError):
     """The KV cache cannot hold even one request of max_total_tokens."""
 
 
-def choose_dtype(requested: str, device: torch.device, config: dict) -> torch.dtype:
-    """`auto`: float32 on CPU, the checkpoint's half type (or bfloat16) on CUDA.
+def cpu_flags() -> set[str]:
+    """The CPU feature flags of /proc/cpuinfo (empty where it does not exist)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
 
-    On CPU we keep float32: measured on the 2-core development machine, a
-    bf16 matmul of SmolLM2's shapes was 2x (32 rows) to 9x (1 row) slower than
-    float32, and float32 is what the numerics tests compare against.
+
+# Instructions that make bf16 matmuls faster than float32 (Intel AMX, AVX-512
+# BF16 on Intel and AMD Zen 4+). Without them torch computes bf16 through
+# conversions: on the AVX2 development machine a bf16 matmul ran 0.2 GFLOP/s
+# against float32's 70.
+NATIVE_BF16_FLAGS = {"amx_bf16", "avx512_bf16"}
+
+
+def choose_dtype(requested: str, device: torch.device, config: dict, flags: set[str] | None = None) -> torch.dtype:
+    """`auto`: on CUDA the checkpoint's half type (or bfloat16). On CPU
+    bfloat16 only where both hold: the processor multiplies bf16 natively, and
+    the checkpoint itself is bfloat16, so computing in it changes no weight
+    (a float32 checkpoint, such as a converted GGUF, would be rounded).
+    Otherwise float32, which is also what the numerics tests compare against.
     """
     if requested != "auto":
         if requested not in DTYPES:
             raise ValueError(f"dtype {requested!r} is not one of auto, {', '.join(DTYPES)}")
         return DTYPES[requested]
-    if device.type == "cpu":
-        return torch.float32
     stored = config.get("torch_dtype") or config.get("dtype")
+    if device.type == "cpu":
+        native = bool(NATIVE_BF16_FLAGS & (cpu_flags() if flags is None else flags))
+        return torch.bfloat16 if native and stored == "bfloat16" else torch.float32
     return DTYPES[stored] if stored in ("bfloat16", "float16") else torch.bfloat16
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sluice_server.layers import cpu_kernels
-from sluice_server.model_runner import ModelRunner
+from sluice_server.model_runner import ModelRunner, choose_dtype
 from sluice_server.models import model_class
 
 from conftest import Driver, make_tiny_model, reference_logits
@@ -171,3 +171,28 @@ def test_smollm2_greedy_matches_transformers(smollm2_dir):
     for i, text in enumerate(PROMPTS):
         assert alone[i] == want[i], f"prompt {i} ({text!r}) alone"
         assert batched[i] == want[i], f"prompt {i} ({text!r}) batched"
+
+
+# --- dtype choice -----------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "device,stored,flags,want",
+    [
+        ("cpu", "bfloat16", {"avx2", "fma"}, torch.float32),  # no native bf16 (this machine)
+        ("cpu", "bfloat16", {"avx2", "avx512_bf16"}, torch.bfloat16),
+        ("cpu", "bfloat16", {"amx_bf16"}, torch.bfloat16),
+        ("cpu", "float32", {"amx_bf16"}, torch.float32),  # a bf16 copy would round the weights
+        ("cpu", None, {"avx512_bf16"}, torch.float32),
+        ("cuda", "float16", set(), torch.float16),
+        ("cuda", "float32", set(), torch.bfloat16),
+    ],
+)
+def test_auto_dtype(device, stored, flags, want):
+    config = {"torch_dtype": stored} if stored else {}
+    assert choose_dtype("auto", torch.device(device), config, flags) == want
+    assert choose_dtype("float16", torch.device(device), config, flags) == torch.float16
+
+
+def test_unknown_dtype_names_the_choices():
+    with pytest.raises(ValueError, match="not one of auto, float32, bfloat16, float16"):
+        choose_dtype("int4", torch.device("cpu"), {})
