@@ -27,6 +27,15 @@ pub fn name(rank: u32) -> String {
     format!("shard-{rank}")
 }
 
+fn available_cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// torch threads for each of `num_shard` CPU shards on a host with `cores`.
+fn cpu_threads_per_shard(cores: usize, num_shard: u32) -> usize {
+    (cores / num_shard.max(1) as usize).max(1)
+}
+
 pub fn command(server: &Path, args: &Args, model_dir: &Path, rank: u32) -> Command {
     let mut command = Command::new(server);
     command
@@ -36,7 +45,13 @@ pub fn command(server: &Path, args: &Args, model_dir: &Path, rank: u32) -> Comma
         .arg(&args.shard_uds_path)
         .arg("--block-size")
         .arg(args.block_size.to_string());
-    command.arg("--device").arg(device_name(args.device, gpu_present()));
+    let device = device_name(args.device, gpu_present());
+    command.arg("--device").arg(device);
+    if device == "cpu" && args.num_shard > 1 {
+        // Shards on one host share its cores: each takes its part rather than
+        // every shard's torch taking all of them.
+        command.arg("--num-threads").arg(cpu_threads_per_shard(available_cores(), args.num_shard).to_string());
+    }
     if let Some(dtype) = &args.dtype {
         command.arg("--dtype").arg(dtype);
     }
@@ -225,6 +240,20 @@ mod tests {
         assert_eq!(device_name(Device::Auto, false), "cpu");
         assert_eq!(device_name(Device::Cpu, true), "cpu");
         assert_eq!(device_name(Device::Cuda, false), "cuda");
+    }
+
+    #[test]
+    fn cpu_shards_split_the_cores() {
+        assert_eq!(cpu_threads_per_shard(16, 4), 4);
+        assert_eq!(cpu_threads_per_shard(2, 2), 1);
+        assert_eq!(cpu_threads_per_shard(2, 4), 1);
+        let args = test_args(&["--num-shard", "2", "--device", "cpu"]);
+        let cmd = command(Path::new("srv"), &args, Path::new("/m"), 0);
+        let argv: Vec<String> = cmd.get_args().map(|a| a.to_string_lossy().into_owned()).collect();
+        let at = argv.iter().position(|a| a == "--num-threads").expect("--num-threads passed");
+        assert_eq!(argv[at + 1], cpu_threads_per_shard(available_cores(), 2).to_string());
+        let single = command(Path::new("srv"), &test_args(&["--device", "cpu"]), Path::new("/m"), 0);
+        assert!(!single.get_args().any(|a| a == "--num-threads"), "one shard keeps torch's default");
     }
 
     #[test]
