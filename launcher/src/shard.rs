@@ -249,11 +249,11 @@ mod tests {
         assert_eq!(cpu_threads_per_shard(2, 4), 1);
         let args = test_args(&["--num-shard", "2", "--device", "cpu"]);
         let cmd = command(Path::new("srv"), &args, Path::new("/m"), 0);
-        let argv: Vec<String> = cmd.get_args().map(|a| a.to_string_lossy().into_owned()).collect();
+        let argv: Vec<String> = cmd.as_std().get_args().map(|a| a.to_string_lossy().into_owned()).collect();
         let at = argv.iter().position(|a| a == "--num-threads").expect("--num-threads passed");
         assert_eq!(argv[at + 1], cpu_threads_per_shard(available_cores(), 2).to_string());
         let single = command(Path::new("srv"), &test_args(&["--device", "cpu"]), Path::new("/m"), 0);
-        assert!(!single.get_args().any(|a| a == "--num-threads"), "one shard keeps torch's default");
+        assert!(!single.as_std().get_args().any(|a| a == "--num-threads"), "one shard keeps torch's default");
     }
 
     #[test]
