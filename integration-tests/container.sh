@@ -33,9 +33,18 @@ if ! buildah images --quiet localhost/sluice-rust-builder >/dev/null 2>&1; then
   buildah rm "$ctr"
 fi
 
-# 3. The project's real Dockerfile.
+# 3. The project's real Dockerfile. Its RUN steps use the host's network; where
+#    the host reaches the registries through a TLS-intercepting proxy, they
+#    also need the host's CA bundle: it is bind-mounted into every RUN step
+#    (not into the image) and named to pip and cargo by mounted config files.
+HOST_CA="${SSL_CERT_FILE:-/etc/ssl/certs/ca-certificates.crt}"
+printf '[global]\ncert = /etc/sluice-host-ca.crt\n' > "$WORK/pip.conf"
+printf '[http]\ncainfo = "/etc/sluice-host-ca.crt"\n' > "$WORK/cargo-config.toml"
 start=$(date +%s)
 buildah bud --isolation chroot \
+  --volume "$HOST_CA:/etc/sluice-host-ca.crt:ro" \
+  --volume "$WORK/pip.conf:/etc/pip.conf:ro" \
+  --volume "$WORK/cargo-config.toml:/root/.cargo/config.toml:ro" \
   --build-arg BASE_IMAGE=localhost/debian:bookworm-slim \
   --build-arg BUILDER_IMAGE=localhost/sluice-rust-builder \
   -t sluice:test .
