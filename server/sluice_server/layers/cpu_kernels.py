@@ -40,6 +40,19 @@ def enabled_by_env() -> bool:
     return os.environ.get("SLUICE_CPU_KERNELS", "1") not in ("0", "false", "no")
 
 
+def _put_ninja_on_path() -> None:
+    """torch finds ninja on PATH; the pip-installed one lives in the virtual
+    environment's bin folder, which is not on PATH when the launcher is run
+    by its full path without activating the environment."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = ninja.BIN_DIR + (os.pathsep + path if path else "")
+
+
 def load() -> bool:
     """Builds (or reuses) and loads the CPU kernels; True when they are usable."""
     with _lock:
@@ -52,6 +65,7 @@ def load() -> bool:
             try:
                 from torch.utils.cpp_extension import load as load_extension
 
+                _put_ninja_on_path()
                 load_extension(
                     name="sluice_cpu_ops",
                     sources=[str(p) for p in SOURCES],
