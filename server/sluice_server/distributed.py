@@ -30,6 +30,14 @@ class Distributed:
             dist.all_reduce(x)
         return x
 
+    def shutdown(self) -> None:
+        """Waits for every rank, then tears the process group down, so no
+        rank exits while its communication threads still run (with gloo an
+        exit in that state can abort the process at interpreter shutdown)."""
+        if self.is_parallel and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
     def min_over_ranks(self, value: int) -> int:
         """The smallest `value` any rank passed (a collective: every rank calls it)."""
         if not self.is_parallel:

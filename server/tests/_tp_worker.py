@@ -76,6 +76,7 @@ def main() -> None:
         req = shard_pb2.StepRequest(scheduled=[shard_pb2.ScheduledRequest(id=rid, num_new_tokens=1) for rid in (1, 2)])
     result["tokens"] = got
     torch.save(result, f"{out}-{dist.rank}.pt")
+    dist.shutdown()
 
 
 if __name__ == "__main__":
