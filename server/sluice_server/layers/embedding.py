@@ -18,7 +18,8 @@ from torch import nn
 import torch.nn.functional as F
 
 from sluice_server.distributed import Distributed
-from sluice_server.layers.linear import can_pack_for_cpu, pack_for_cpu, packed_linear, usable_for
+from sluice_server.layers.gguf_weights import usable_for
+from sluice_server.layers.linear import can_pack_for_cpu, pack_for_cpu, packed_linear
 
 
 class VocabParallelEmbedding(nn.Module):

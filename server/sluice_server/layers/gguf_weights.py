@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from sluice_server.gguf_convert import SOURCE_FILE
 from sluice_server.layers import cpu_kernels
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,6 @@ FORMATS = {"Q4_1": 0, "Q8_0": 1}
 # measured on the 2-core AVX2 development machine, see benchmarks/step_bench.py.
 # SLUICE_GGUF_MAX_ROWS overrides it (0: never use the blocks).
 MAX_ROWS = int(os.environ.get("SLUICE_GGUF_MAX_ROWS", "16"))
-SOURCE_FILE = "gguf_source.json"
 
 
 @dataclass

@@ -19,6 +19,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from sluice_server.distributed import Distributed, shard_range
+from sluice_server.layers.gguf_weights import usable_for
 
 # oneDNN's packed-weight linear (the op torch's own CPU compiler emits for
 # frozen weights). On the 2-core AVX2 development machine it ran SmolLM2's
@@ -74,12 +75,6 @@ class PackableLinear(nn.Module):
         if self.packed is not None:
             return packed_linear(x, self.packed, bias)
         return F.linear(x, self.weight, bias)
-
-
-def usable_for(x: torch.Tensor) -> bool:
-    from sluice_server.layers.gguf_weights import usable_for as quantized_usable_for
-
-    return quantized_usable_for(x)
 
 
 def pack_linear_weights(model: nn.Module) -> int:
