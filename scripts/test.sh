@@ -21,8 +21,9 @@ echo "== cargo test"
 cargo test --workspace --quiet
 
 # One pytest process per folder: each folder has its own conftest.py, and
-# tests import helpers from it by that module name.
+# tests import helpers from it by that module name. -rs prints every skip
+# with its reason.
 for suite in server/tests kernels integration-tests; do
   echo "== pytest $suite"
-  python -m pytest -q -p no:cacheprovider "$suite"
+  python -m pytest -q -rs -p no:cacheprovider "$suite"
 done

@@ -162,7 +162,8 @@ def test_smollm2_greedy_matches_transformers(smollm2_dir):
     runner = ModelRunner(smollm2_dir, dtype="auto", block_size=16)
     assert runner.dtype == torch.float32 and runner.vocab_size == 49152
     # The decodes below (<= 4 rows) run on the GGUF's Q4_1/Q8_0 blocks where
-    # the CPU kernels could be built, prefill on the float32 weights.
+    # the CPU kernels can be built (load() raises where a build fails), prefill
+    # on the float32 weights.
     if cpu_kernels.load():
         assert runner.model.lm_head.quantized is not None
         assert all(layer.mlp.down_proj.quantized is not None for layer in runner.model.model.layers)

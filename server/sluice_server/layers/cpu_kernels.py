@@ -6,8 +6,12 @@ torch's extension loader compiles the sources with the machine's C++ compiler
 build while the sources are unchanged: about 20 seconds once, then nothing.
 The ops are registered with the dispatcher as `torch.ops.sluice_cpu.*`.
 
-Without a compiler, or with SLUICE_CPU_KERNELS=0, `load()` returns False and
-the callers keep their plain-torch path, which computes the same thing.
+`load()` returns False, and the callers keep their plain-torch path (which
+computes the same thing), only where the kernels cannot be built at all: no
+C++ compiler (`$CXX`, default `c++`) or no ninja, or SLUICE_CPU_KERNELS=0;
+`unavailable_reason()` says which. Where a compiler exists, a build that
+fails raises `BuildError`: a broken kernel must stop the shard (and fail the
+tests), not quietly turn into the slower fallback.
 
     paged_decode_attention(out, q, k_cache, v_cache, block_tables, seq_lens, scale)
         float32 decode attention straight from the paged cache (cpu_attention.cpp)
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -30,10 +35,17 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
+NAME = "sluice_cpu_ops"  # the build's folder under TORCH_EXTENSIONS_DIR
 SOURCES = [CSRC / "cpu_attention.cpp", CSRC / "cpu_ops.cpp", CSRC / "cpu_quant_linear.cpp"]
 OPS = ("paged_decode_attention", "rms_norm", "rotary_", "silu_mul", "quant_linear", "dequantize")
 _lock = threading.Lock()
-_state: dict[str, bool] = {}
+# "ok": the outcome of the first load(); "reason": why the kernels are off;
+# "error": the BuildError of a failed build, raised again by every call.
+_state: dict = {}
+
+
+class BuildError(RuntimeError):
+    """A C++ compiler is there, but the kernels did not build or load."""
 
 
 def enabled_by_env() -> bool:
@@ -53,32 +65,68 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + (os.pathsep + path if path else "")
 
 
+def missing_toolchain() -> str | None:
+    """Why this machine cannot build the kernels at all, or None when it can."""
+    from torch.utils.cpp_extension import is_ninja_available
+
+    compiler = os.environ.get("CXX", "c++")  # what torch's extension builder runs
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler: {compiler!r} is not on PATH (Debian: apt-get install g++)"
+    _put_ninja_on_path()
+    if not is_ninja_available():
+        return "ninja is missing (pip install ninja)"
+    return None
+
+
+def unavailable_reason() -> str | None:
+    """After load(): why the kernels are off, or None when they are loaded."""
+    return _state.get("reason")
+
+
 def load() -> bool:
-    """Builds (or reuses) and loads the CPU kernels; True when they are usable."""
+    """Builds (or reuses) and loads the CPU kernels. True when they are usable;
+    False when they are switched off or cannot be built here (see
+    unavailable_reason()). Raises BuildError when the build fails although a
+    compiler exists."""
     with _lock:
+        if "error" in _state:
+            raise _state["error"]
         if "ok" in _state:
             return _state["ok"]
-        ok = False
-        if not enabled_by_env():
-            log.info("CPU kernels disabled by SLUICE_CPU_KERNELS")
-        else:
-            try:
-                from torch.utils.cpp_extension import load as load_extension
+        reason = None if enabled_by_env() else "disabled by SLUICE_CPU_KERNELS"
+        reason = reason or missing_toolchain()
+        if reason is not None:
+            log.warning("CPU kernels off, using plain torch: %s", reason)
+            _state.update(ok=False, reason=reason)
+            return False
+        try:
+            _build()
+        except Exception as e:
+            error = BuildError(
+                f"the CPU kernels ({', '.join(p.name for p in SOURCES)}) failed to build or load: {e}\n"
+                "SLUICE_CPU_KERNELS=0 serves without them, on plain torch"
+            )
+            _state["error"] = error
+            raise error from e
+        log.info("CPU kernels loaded: %s", ", ".join(OPS))
+        _state["ok"] = True
+        return True
 
-                _put_ninja_on_path()
-                load_extension(
-                    name="sluice_cpu_ops",
-                    sources=[str(p) for p in SOURCES],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"],
-                    is_python_module=False,
-                    verbose=False,
-                )
-                ok = all(hasattr(torch.ops.sluice_cpu, op) for op in OPS)
-            except Exception as e:  # no compiler, no ninja, a build error
-                log.warning("CPU kernels unavailable, using plain torch attention: %s", str(e).splitlines()[0])
-        _state["ok"] = ok
-        return ok
+
+def _build() -> None:
+    from torch.utils.cpp_extension import load as load_extension
+
+    load_extension(
+        name=NAME,
+        sources=[str(p) for p in SOURCES],
+        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+        verbose=False,
+    )
+    missing = [op for op in OPS if not hasattr(torch.ops.sluice_cpu, op)]
+    if missing:
+        raise RuntimeError(f"ops not registered: {', '.join(missing)}")
 
 
 def paged_decode_attention(
