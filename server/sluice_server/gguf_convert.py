@@ -29,12 +29,11 @@ import shutil
 import sys
 from pathlib import Path
 
-from sluice_server.download import ModelResolutionError, progress, check_model_folder
+from sluice_server.model_folder import SOURCE_FILE, ModelResolutionError, check_model_folder, progress
 
 
 # Part of the folder key: a change to what a converted folder holds converts again.
 FORMAT_VERSION = 2
-SOURCE_FILE = "gguf_source.json"
 
 
 def converted_folder(gguf_path: Path, cache: Path) -> Path:

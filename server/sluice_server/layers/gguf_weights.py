@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from sluice_server.gguf_convert import SOURCE_FILE
+from sluice_server.model_folder import SOURCE_FILE
 from sluice_server.layers import cpu_kernels
 
 log = logging.getLogger(__name__)
