@@ -86,7 +86,7 @@ def paged_batch(seqs, dtype):
 
 def bench_attention(name, seqs, dtype, copy_bw, rows):
     from sluice_server.kernels.paged_attention import paged_attention, plan_attention
-    from sluice_server.layers.attention import TorchAttention
+    from sluice_server.layers.torch_attention import TorchAttention
     from sluice_server.layers.triton_attention import TritonAttention
 
     meta, q, k, v, k_cache, v_cache = paged_batch(seqs, dtype)

@@ -3,16 +3,16 @@ paged batch with its dense ground truth."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
+from sluice_server.kernels import triton_interpreting
+
 
 def device() -> torch.device:
     """CPU tensors under the interpreter, the GPU otherwise."""
-    interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    return torch.device("cuda" if torch.cuda.is_available() and not interpreting else "cpu")
+    return torch.device("cuda" if torch.cuda.is_available() and not triton_interpreting() else "cpu")
 
 
 # Tolerances against a float32/float64 reference. 16-bit: the output is

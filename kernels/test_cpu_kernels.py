@@ -15,7 +15,8 @@ import torch
 
 from sluice_server.layers import cpu_kernels
 from sluice_server.layers.gguf_weights import FORMATS, QuantizedWeight
-from sluice_server.layers.attention import AttentionMetadata, TorchAttention
+from sluice_server.layers.attention import AttentionMetadata
+from sluice_server.layers.torch_attention import TorchAttention
 from sluice_server.layers.ops import CpuOps, TorchOps, rotary_tables
 from sluice_server.layers.rotary import inverse_frequencies
 

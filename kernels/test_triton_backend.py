@@ -11,7 +11,8 @@ import torch
 
 from sluice_server import model_runner as model_runner_module
 from sluice_server.batch import RequestState, Work, build_batch
-from sluice_server.layers.attention import TorchAttention, get_backend
+from sluice_server.layers.backends import get_backend
+from sluice_server.layers.torch_attention import TorchAttention
 from sluice_server.layers.ops import TritonOps
 from sluice_server.layers.triton_attention import TritonAttention
 from sluice_server.pb import shard_pb2
@@ -152,7 +153,7 @@ def test_backend_selection(monkeypatch):
     assert get_backend(cpu, "auto").name == "torch"
     assert get_backend(cpu, "torch").name == "torch"
     assert get_backend(cpu, "triton").name == "triton"  # TRITON_INTERPRET=1 here
-    from sluice_server.layers.attention import resolve_backend_name
+    from sluice_server.layers.backends import resolve_backend_name
 
     assert resolve_backend_name("auto", cuda) == "triton"
     assert resolve_backend_name("torch", cuda) == "torch"

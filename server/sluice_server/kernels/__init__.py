@@ -14,5 +14,14 @@ folder) compare it with:
 
 Importing a module here imports triton; the CPU path of the shard never does.
 Tests run the kernels under Triton's interpreter (TRITON_INTERPRET=1) on CPU
-tensors, which must be set before triton is first imported.
+tensors, which must be set before triton is first imported. This file
+itself imports no triton: `triton_interpreting` is safe on any path.
 """
+
+import os
+
+
+def triton_interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1),
+    as the kernel tests do without a GPU. Read at call time."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -40,12 +40,13 @@ once per step and shared by every layer.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
+
+from sluice_server.kernels import triton_interpreting
 
 LOG2E = 1.4426950408889634
 # Decode launch settings (see TileLaunch).
@@ -302,10 +303,6 @@ def plan_attention(
     return AttentionPlan(launches, group, group_pad)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def _tile_tensor(tiles: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
     return torch.tensor(tiles, dtype=torch.int32).view(-1, 2).to(device, non_blocking=True)
 
@@ -350,7 +347,7 @@ def paged_attention(
     # Triton's CPU interpreter multiplies 16-bit floats in tl.dot wrongly
     # (triton 3.x), so there the operands go in as float32: the same numbers,
     # since products of 16-bit floats are exact in float32 accumulation.
-    upcast = _interpreting() and q.dtype != torch.float32
+    upcast = triton_interpreting() and q.dtype != torch.float32
     precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
     for launch in plan.launches:
         splits = launch.num_splits

@@ -2,7 +2,7 @@
 
 The model code calls these through its layers (RMSNorm, the rotary step
 tables, the MLP); which implementation runs is decided once, by the attention
-backend the shard selected (`layers.attention.get_backend`), so the model file
+backend the shard selected (`layers.backends.get_backend`), so the model file
 is the same for both:
 
     TorchOps   - the reference: eager torch.
