@@ -1,7 +1,7 @@
 """Shard-side request state, Step validation, and the flattened batch.
 
-A Step is checked whole before anything changes (`plan_step`): a malformed
-step raises `InvalidStep` and leaves every request as it was. A valid plan
+A Step is checked whole before anything changes (`check_step`): a malformed
+step raises `InvalidStep` and leaves every request as it was. A checked step
 lists the work of the step, one `Work` per request, which `build_batch` turns
 into the tensors the model runs on.
 
@@ -68,14 +68,18 @@ class Work:
 
 
 @dataclass
-class Limits:
+class ShardLimits:
+    """What this shard can hold; every id in a Step must be below these."""
+
     num_blocks: int
     block_size: int
     vocab_size: int
 
 
 @dataclass
-class StepPlan:
+class CheckedStep:
+    """A Step that passed `check_step`, as work for the model runner."""
+
     work: list[Work]
     # Requests admitted by this step (added to the shard's table once the step ran).
     new_states: list[RequestState]
@@ -83,7 +87,7 @@ class StepPlan:
     errors: list[tuple[int, str]] = field(default_factory=list)
 
 
-def _check_blocks(rid: int, block_ids: list[int], needed_tokens: int, limits: Limits) -> None:
+def _check_blocks(rid: int, block_ids: list[int], needed_tokens: int, limits: ShardLimits) -> None:
     for b in block_ids:
         if b >= limits.num_blocks:
             raise InvalidStep(f"request {rid}: block id {b} >= num_blocks {limits.num_blocks}")
@@ -93,7 +97,7 @@ def _check_blocks(rid: int, block_ids: list[int], needed_tokens: int, limits: Li
         )
 
 
-def _check_params(params: shard_pb2.SamplingParams, limits: Limits) -> str | None:
+def _check_params(params: shard_pb2.SamplingParams, limits: ShardLimits) -> str | None:
     """A per-request parameter problem, or None (sampling's own guard)."""
     try:
         sampling.check_params(params, limits.vocab_size)
@@ -102,7 +106,7 @@ def _check_params(params: shard_pb2.SamplingParams, limits: Limits) -> str | Non
     return None
 
 
-def _new_state(req: shard_pb2.NewRequest, limits: Limits) -> RequestState:
+def _new_state(req: shard_pb2.NewRequest, limits: ShardLimits) -> RequestState:
     rid, tokens = req.id, list(req.token_ids)
     n = len(tokens)
     if n == 0:
@@ -130,12 +134,12 @@ def _new_state(req: shard_pb2.NewRequest, limits: Limits) -> RequestState:
     )
 
 
-def plan_step(requests: dict[int, RequestState], step: shard_pb2.StepRequest, limits: Limits) -> StepPlan:
+def check_step(requests: dict[int, RequestState], step: shard_pb2.StepRequest, limits: ShardLimits) -> CheckedStep:
     """Validates `step` against the held `requests` (after its finished_ids
     are dropped) without changing anything. Raises InvalidStep."""
     finished = set(step.finished_ids)
     seen: set[int] = set()
-    plan = StepPlan(work=[], new_states=[])
+    checked = CheckedStep(work=[], new_states=[])
     for req in step.new_requests:
         if req.id in seen or (req.id in requests and req.id not in finished):
             raise InvalidStep(f"request {req.id} is already known to the shard (duplicate id)")
@@ -143,10 +147,10 @@ def plan_step(requests: dict[int, RequestState], step: shard_pb2.StepRequest, li
         state = _new_state(req, limits)
         problem = _check_params(req.params, limits)
         if problem is not None:
-            plan.errors.append((req.id, problem))
+            checked.errors.append((req.id, problem))
             continue
-        plan.new_states.append(state)
-        plan.work.append(Work(state, state.num_computed_tokens, req.num_new_tokens, state.block_ids))
+        checked.new_states.append(state)
+        checked.work.append(Work(state, state.num_computed_tokens, req.num_new_tokens, state.block_ids))
     for sched in step.scheduled:
         state = requests.get(sched.id)
         if state is None or sched.id in finished:
@@ -161,8 +165,8 @@ def plan_step(requests: dict[int, RequestState], step: shard_pb2.StepRequest, li
             )
         block_ids = state.block_ids + list(sched.new_block_ids)
         _check_blocks(sched.id, block_ids, state.num_computed_tokens + sched.num_new_tokens, limits)
-        plan.work.append(Work(state, state.num_computed_tokens, sched.num_new_tokens, block_ids))
-    return plan
+        checked.work.append(Work(state, state.num_computed_tokens, sched.num_new_tokens, block_ids))
+    return checked
 
 
 @dataclass

@@ -1,18 +1,26 @@
-"""Runs the model over a step's batch; owns the weights, the KV cache and warmup."""
+"""Runs a step: the batch, the forward pass, prompt logprobs and sampling.
+
+Owns the weights, the KV cache and warmup. `run_step` is the whole step on
+the model's side; what it returns (`StepOutput`) is plain data that the
+shard (servicer.py) commits to its request table and maps to the reply.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+import math
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from sluice_server import sampling
 from sluice_server.batch import Batch, RequestState, Work, build_batch
 from sluice_server.distributed import SINGLE, Distributed
 from sluice_server.kv_cache import KVCache
-from sluice_server.layers.attention import get_backend
+from sluice_server.layers.backends import get_backend
 from sluice_server.layers.gguf_weights import MAX_ROWS as GGUF_MAX_ROWS, attach_gguf_weights
 from sluice_server.layers.linear import pack_linear_weights
 from sluice_server.models import build_model, load_weights
@@ -92,6 +100,25 @@ def available_ram_bytes() -> int:
 
 
 @dataclass
+class StepOutput:
+    """What one step computed, nothing committed yet. Lists are in batch order."""
+
+    # The batch's work items (decodes first): every one advanced to its `end`.
+    work: list[Work]
+    # Prompt logprobs computed this step, per request that asked for them:
+    # (token id, logprob) of the prompt tokens this chunk scored.
+    prompt_logprobs: list[tuple[Work, list[tuple[int, float]]]] = field(default_factory=list)
+    # The token sampled for every request whose work reached its last token
+    # (a result with `error` set fails that request alone).
+    sampled: list[tuple[Work, sampling.SampledToken]] = field(default_factory=list)
+    # Seconds spent building the batch, in the forward pass, and on prompt
+    # logprobs + sampling.
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sampling_s: float = 0.0
+
+
+@dataclass
 class WarmupResult:
     num_blocks: int
     kv_cache_bytes: int
@@ -166,6 +193,69 @@ class ModelRunner:
 
     def build_batch(self, work: list[Work]) -> Batch:
         return build_batch(work, self.block_size, self.device)
+
+    # -- a whole step -------------------------------------------------------
+
+    def run_step(self, work: list[Work]) -> StepOutput:
+        """Builds the batch, runs the forward pass, then computes the prompt
+        logprobs and samples. Request state is read, never changed."""
+        t0 = time.perf_counter()
+        batch = self.build_batch(work)
+        t1 = time.perf_counter()
+        logits = self.execute(batch)
+        t2 = time.perf_counter()
+        output = StepOutput(
+            work=batch.work,
+            prompt_logprobs=self._prompt_logprobs(batch, logits),
+            sampled=self._sample(batch, logits),
+        )
+        output.prepare_s, output.forward_s, output.sampling_s = t1 - t0, t2 - t1, time.perf_counter() - t2
+        return output
+
+    def _prompt_logprobs(self, batch: Batch, logits: torch.Tensor) -> list[tuple[Work, list[tuple[int, float]]]]:
+        """Logits row p (position p) scores prompt token p + 1:
+
+            positions:  start ............ end-1      (this chunk)
+            scores:     token start+1 ..... token end  (kept while < num_prompt_tokens)
+        """
+        rows: list[int] = []
+        targets: list[int] = []
+        owners: list[tuple[Work, int, int]] = []
+        for w, (first, _) in zip(batch.work, batch.logits_rows):
+            if not w.wants_prompt_logprobs:
+                continue
+            last = min(w.end, w.state.num_prompt_tokens - 1)  # positions [start, last) score a prompt token
+            owners.append((w, len(rows), last - w.start))
+            rows.extend(range(first, first + last - w.start))
+            targets.extend(w.state.token_ids[w.start + 1 : last + 1])
+        if not rows:
+            return []
+        values = sampling.token_logprobs(logits[rows], torch.tensor(targets)).tolist()
+        scored = []
+        for w, offset, count in owners:
+            tokens = w.state.token_ids[w.start + 1 : w.start + 1 + count]
+            scored.append((w, list(zip(tokens, values[offset : offset + count]))))
+        return scored
+
+    def _sample(self, batch: Batch, logits: torch.Tensor) -> list[tuple[Work, sampling.SampledToken]]:
+        sampled = [(w, first + count - 1) for w, (first, count) in zip(batch.work, batch.logits_rows) if w.samples]
+        if not sampled:
+            return []
+        rows = [sampling.SamplingRow(w.state.params, w.state.token_ids, w.state.num_prompt_tokens) for w, _ in sampled]
+        chosen = logits[[row for _, row in sampled]]
+        try:
+            results = sampling.sample(chosen, rows, self.eos_token_ids)
+        except Exception:
+            # Find the row(s) at fault so only their requests fail.
+            log.exception("batched sampling failed; sampling rows one by one")
+            results = [self._sample_one(chosen[i : i + 1], row) for i, row in enumerate(rows)]
+        return [(w, result) for (w, _), result in zip(sampled, results)]
+
+    def _sample_one(self, logits: torch.Tensor, row: sampling.SamplingRow) -> sampling.SampledToken:
+        try:
+            return sampling.sample(logits, [row], self.eos_token_ids)[0]
+        except Exception as e:  # noqa: BLE001 - any failure here belongs to this request
+            return sampling.SampledToken(0, math.nan, [], error=f"sampling failed: {e}")
 
     # -- warmup -------------------------------------------------------------
 

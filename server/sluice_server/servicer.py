@@ -3,14 +3,14 @@
 `Shard` is the shard's state machine, synchronous and free of gRPC: the table
 of held requests (`RequestState` by id) plus the model runner. A Step:
 
-    1. plan_step validates the whole request; a malformed step changes nothing.
+    1. check_step validates the whole request; a malformed step changes nothing.
     2. finished_ids are dropped (unknown ids are ignored: the shard may have
        dropped a request already, after a RequestError).
-    3. build_batch + ModelRunner.execute: one forward over all new tokens.
+    3. ModelRunner.run_step: one forward over all new tokens, then prompt
+       logprobs and sampling for the rows that need them (nothing changes yet).
     4. State commits: num_computed_tokens advances, blocks are appended,
-       prompt logprobs accumulate.
-    5. Rows that reached the end of their tokens are sampled; the token is
-       appended to the request's token_ids and returned as a Generation.
+       prompt logprobs accumulate; each sampled token is appended to its
+       request's token_ids and returned as a Generation.
 
 `ShardServicer` is the grpc.aio wrapper: it serialises calls that touch the
 model, runs them off the event loop, and maps errors to status codes.
@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 
 import grpc
-import torch
 
-from sluice_server import sampling, telemetry
-from sluice_server.batch import Batch, InvalidStep, Limits, RequestState, Work, plan_step
-from sluice_server.model_runner import KVBudgetError, ModelRunner
+from sluice_server import telemetry
+from sluice_server.batch import InvalidStep, ShardLimits, RequestState, check_step
+from sluice_server.model_runner import KVBudgetError, ModelRunner, StepOutput
 from sluice_server.pb import shard_pb2, shard_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -85,71 +83,37 @@ class Shard:
         cache = self.runner.kv_cache
         if cache is None:
             raise NotWarmedUp("Step before Warmup: the KV cache is not allocated")
-        limits = Limits(num_blocks=cache.num_blocks, block_size=cache.block_size, vocab_size=self.runner.vocab_size)
-        plan = plan_step(self.requests, req, limits)
+        limits = ShardLimits(num_blocks=cache.num_blocks, block_size=cache.block_size, vocab_size=self.runner.vocab_size)
+        checked = check_step(self.requests, req, limits)
         for rid in req.finished_ids:
             self.requests.pop(rid, None)
         response = shard_pb2.StepResponse()
-        for rid, message in plan.errors:
+        for rid, message in checked.errors:
             response.errors.add(id=rid, message=message)
-        if not plan.work:
+        if not checked.work:
             response.timings.prepare_ms = (time.perf_counter() - t0) * 1e3
             return response
 
-        batch = self.runner.build_batch(plan.work)
         t1 = time.perf_counter()
-        logits = self.runner.execute(batch)
+        output = self.runner.run_step(checked.work)
         t2 = time.perf_counter()
-
-        for state in plan.new_states:
-            self.requests[state.id] = state
-        for w in batch.work:
-            w.state.block_ids = w.block_ids
-            w.state.num_computed_tokens = w.end
-        self._record_prompt_logprobs(batch, logits)
-        self._sample(batch, logits, response)
-        t3 = time.perf_counter()
-        response.timings.prepare_ms = (t1 - t0) * 1e3
-        response.timings.forward_ms = (t2 - t1) * 1e3
-        response.timings.sampling_ms = (t3 - t2) * 1e3
+        self._commit(checked.new_states, output, response)
+        response.timings.prepare_ms = (t1 - t0 + output.prepare_s) * 1e3
+        response.timings.forward_ms = output.forward_s * 1e3
+        response.timings.sampling_ms = (output.sampling_s + time.perf_counter() - t2) * 1e3
         return response
 
-    def _record_prompt_logprobs(self, batch: Batch, logits: torch.Tensor) -> None:
-        """Logits row p (position p) scores prompt token p + 1:
-
-            positions:  start ............ end-1      (this chunk)
-            scores:     token start+1 ..... token end  (kept while < num_prompt_tokens)
-        """
-        rows: list[int] = []
-        targets: list[int] = []
-        owners: list[tuple[Work, int, int]] = []
-        for w, (first, _) in zip(batch.work, batch.logits_rows):
-            if not w.wants_prompt_logprobs:
-                continue
-            last = min(w.end, w.state.num_prompt_tokens - 1)  # positions [start, last) score a prompt token
-            owners.append((w, len(rows), last - w.start))
-            rows.extend(range(first, first + last - w.start))
-            targets.extend(w.state.token_ids[w.start + 1 : last + 1])
-        if not rows:
-            return
-        values = sampling.token_logprobs(logits[rows], torch.tensor(targets)).tolist()
-        for w, offset, count in owners:
-            tokens = w.state.token_ids[w.start + 1 : w.start + 1 + count]
-            w.state.prompt_logprobs.extend(zip(tokens, values[offset : offset + count]))
-
-    def _sample(self, batch: Batch, logits: torch.Tensor, response: shard_pb2.StepResponse) -> None:
-        sampled = [(w, first + count - 1) for w, (first, count) in zip(batch.work, batch.logits_rows) if w.samples]
-        if not sampled:
-            return
-        rows = [sampling.SamplingRow(w.state.params, w.state.token_ids, w.state.num_prompt_tokens) for w, _ in sampled]
-        chosen = logits[[row for _, row in sampled]]
-        try:
-            results = sampling.sample(chosen, rows, self.runner.eos_token_ids)
-        except Exception:
-            # Find the row(s) at fault so only their requests fail.
-            log.exception("batched sampling failed; sampling rows one by one")
-            results = [self._sample_one(chosen[i : i + 1], row) for i, row in enumerate(rows)]
-        for (w, _), result in zip(sampled, results):
+    def _commit(self, new_states: list[RequestState], output: StepOutput, response: shard_pb2.StepResponse) -> None:
+        """Applies a step the runner computed: new requests join the table,
+        every request advances, sampled tokens are appended and reported."""
+        for state in new_states:
+            self.requests[state.id] = state
+        for w in output.work:
+            w.state.block_ids = w.block_ids
+            w.state.num_computed_tokens = w.end
+        for w, scored in output.prompt_logprobs:
+            w.state.prompt_logprobs.extend(scored)
+        for w, result in output.sampled:
             state = w.state
             if result.error is not None:
                 response.errors.add(id=state.id, message=result.error)
@@ -165,12 +129,6 @@ class Shard:
                 for token_id, logprob in state.prompt_logprobs:
                     gen.prompt_logprobs.add(token_id=token_id, logprob=logprob)
                 state.prompt_logprobs = None
-
-    def _sample_one(self, logits: torch.Tensor, row: sampling.SamplingRow) -> sampling.SampledToken:
-        try:
-            return sampling.sample(logits, [row], self.runner.eos_token_ids)[0]
-        except Exception as e:  # noqa: BLE001 - any failure here belongs to this request
-            return sampling.SampledToken(0, math.nan, [], error=f"sampling failed: {e}")
 
 
 class ShardServicer(shard_pb2_grpc.ShardServicer):
