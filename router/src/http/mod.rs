@@ -144,12 +144,19 @@ async fn require_api_key(State(state): State<Arc<AppState>>, request: Request, n
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
+            .and_then(bearer_token);
         if given != Some(key.as_str()) {
             return api_error_for(request.uri().path(), ApiError::Unauthorized);
         }
     }
     next.run(request).await
+}
+
+/// The token of `Authorization: Bearer TOKEN`. The scheme is
+/// case-insensitive (RFC 9110 section 11.1), so `bearer` works too.
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then_some(token)
 }
 
 async fn reject_while_draining(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {

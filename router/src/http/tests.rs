@@ -406,3 +406,14 @@ async fn price_in_info_and_window_gauges_in_metrics() {
     let cost_of = |covered: Duration| 2.5 * covered.as_secs_f64() / 3600.0 / output as f64 * 1e6;
     assert!(cost_of(least_covered) <= cost && cost <= cost_of(most_covered), "{cost}");
 }
+
+#[test]
+fn bearer_scheme_is_case_insensitive_the_token_is_not() {
+    use super::bearer_token;
+    assert_eq!(bearer_token("Bearer k1"), Some("k1"));
+    assert_eq!(bearer_token("bearer k1"), Some("k1"));
+    assert_eq!(bearer_token("BEARER K1"), Some("K1"));
+    assert_eq!(bearer_token("Basic k1"), None);
+    assert_eq!(bearer_token("k1"), None);
+    assert_eq!(bearer_token("Bearer"), None);
+}

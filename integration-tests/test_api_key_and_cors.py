@@ -1,0 +1,138 @@
+"""--api-key and --cors-allow-origin against the real launcher (tiny model).
+
+Every route but the probes (/health, /ready) needs `Authorization: Bearer
+KEY`; the scheme is case-insensitive (RFC 9110 section 11.1), the key is not.
+CORS preflights are answered for the allowed origin only, without the key
+(browsers never send credentials on a preflight).
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from conftest import start_launcher
+
+KEY = "sk-test-0123"
+ALLOWED = "http://app.example"
+UNKNOWN = "http://evil.example"
+
+# (method, path, body) of every route behind the key.
+GUARDED = [
+    ("POST", "/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 2}}),
+    ("POST", "/generate_stream", {"inputs": "hi", "parameters": {"max_new_tokens": 2}}),
+    ("POST", "/", {"inputs": "hi", "parameters": {"max_new_tokens": 2}}),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+    ("POST", "/tokenize", {"inputs": "hi"}),
+    ("GET", "/v1/models", None),
+    ("GET", "/info", None),
+    ("GET", "/metrics", None),
+    ("GET", "/openapi.json", None),
+]
+OPEN = ["/health", "/ready"]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    launched = start_launcher(
+        "--model-id", str(tiny_model_dir), "--api-key", KEY, "--cors-allow-origin", ALLOWED,
+        tmp=tmp_path_factory.mktemp("api-key"),
+    )
+    yield launched
+    launched.stop()
+
+
+def call(server, method: str, path: str, body, headers: dict) -> httpx.Response:
+    return httpx.request(method, f"{server.base_url}{path}", json=body, headers=headers, timeout=120)
+
+
+def assert_unauthorized(response: httpx.Response, path: str) -> None:
+    assert response.status_code == 401, (path, response.status_code, response.text)
+    body = response.json()
+    if path.startswith("/v1/"):
+        assert body["error"]["code"] == "invalid_api_key", body
+    else:
+        assert body["error_type"] == "authentication", body
+
+
+@pytest.mark.parametrize("method,path,body", GUARDED, ids=[f"{m} {p}" for m, p, _ in GUARDED])
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"Authorization": "Bearer wrong-key"},
+        {"Authorization": f"Bearer {KEY.upper()}"},  # the key itself is case-sensitive
+        {"Authorization": KEY},  # no scheme
+        {"Authorization": f"Basic {KEY}"},
+        {"Authorization": f"Bearer {KEY}x"},
+        {"X-Api-Key": KEY},
+    ],
+    ids=["missing", "wrong", "key-case", "no-scheme", "basic", "suffix", "other-header"],
+)
+def test_guarded_routes_refuse_without_the_key(server, method, path, body, headers):
+    assert_unauthorized(call(server, method, path, body, headers), path)
+
+
+@pytest.mark.parametrize("method,path,body", GUARDED, ids=[f"{m} {p}" for m, p, _ in GUARDED])
+@pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER"])
+def test_guarded_routes_serve_with_the_key(server, method, path, body, scheme):
+    response = call(server, method, path, body, {"Authorization": f"{scheme} {KEY}"})
+    assert response.status_code == 200, (path, response.text)
+
+
+@pytest.mark.parametrize("path", OPEN)
+def test_probes_need_no_key(server, path):
+    assert httpx.get(f"{server.base_url}{path}", timeout=30).status_code == 200
+
+
+def preflight(server, path: str, origin: str) -> httpx.Response:
+    return httpx.options(
+        f"{server.base_url}{path}",
+        headers={
+            "Origin": origin,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type",
+        },
+        timeout=30,
+    )
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/generate"])
+def test_preflight_from_the_allowed_origin(server, path):
+    response = preflight(server, path, ALLOWED)
+    assert response.status_code == 200, response.text
+    assert response.headers["access-control-allow-origin"] == ALLOWED
+    assert "POST" in response.headers["access-control-allow-methods"]
+    allowed_headers = response.headers["access-control-allow-headers"].lower()
+    assert "authorization" in allowed_headers and "content-type" in allowed_headers
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/generate"])
+def test_preflight_from_an_unknown_origin_gets_no_grant(server, path):
+    response = preflight(server, path, UNKNOWN)
+    assert "access-control-allow-origin" not in response.headers, dict(response.headers)
+
+
+def test_cors_headers_on_real_responses(server):
+    ok = httpx.get(f"{server.base_url}/v1/models", headers={"Origin": ALLOWED, "Authorization": f"Bearer {KEY}"},
+                   timeout=30)
+    assert ok.status_code == 200
+    assert ok.headers["access-control-allow-origin"] == ALLOWED
+    # A refusal is readable by the allowed page too (it can tell the user why).
+    refused = httpx.get(f"{server.base_url}/v1/models", headers={"Origin": ALLOWED}, timeout=30)
+    assert refused.status_code == 401
+    assert refused.headers["access-control-allow-origin"] == ALLOWED
+    stranger = httpx.get(f"{server.base_url}/v1/models", headers={"Origin": UNKNOWN, "Authorization": f"Bearer {KEY}"},
+                         timeout=30)
+    assert stranger.status_code == 200
+    assert "access-control-allow-origin" not in stranger.headers
+
+
+def test_without_cors_flag_no_origin_is_granted(launcher):
+    """The session's launcher runs without --cors-allow-origin (and without --api-key)."""
+    response = preflight(launcher, "/v1/chat/completions", ALLOWED)
+    assert "access-control-allow-origin" not in response.headers
+    models = httpx.get(f"{launcher.base_url}/v1/models", headers={"Origin": ALLOWED}, timeout=30)
+    assert models.status_code == 200
+    assert "access-control-allow-origin" not in models.headers
