@@ -17,6 +17,11 @@ key hashes the file's resolved path, size and mtime, so an edited or
 replaced file converts again while an unchanged one is reused. The folder
 is built under a temporary name and renamed into place: a folder that
 exists is complete.
+
+Before transformers reads it, `check_gguf_file` refuses, in one sentence
+naming the file, what would otherwise fail deep inside the reader: a file
+that is not GGUF (magic), one cut short (a tensor ends past the end of the
+file), and a tensor type that cannot be dequantized.
 """
 
 from __future__ import annotations
@@ -46,12 +51,50 @@ def converted_folder(gguf_path: Path, cache: Path) -> Path:
     return cache / f"{resolved.stem}-{key}"
 
 
+def check_gguf_file(path: Path) -> None:
+    """Raises ModelResolutionError unless `path` is a whole GGUF file whose
+    tensors all have a type the gguf package dequantizes."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGUFReader
+    from gguf.quants import dequantize
+
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelResolutionError(f"{path.name} is not a GGUF file: it starts with {magic!r}, not b'GGUF'")
+    try:
+        tensors = GGUFReader(str(path)).tensors
+    except Exception as e:  # the reader fails in many ways on a damaged header
+        raise ModelResolutionError(
+            f"{path.name} is damaged or cut short: its header cannot be read ({type(e).__name__}: {e})"
+        ) from e
+    checked = set()
+    for t in tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size:
+            raise ModelResolutionError(
+                f"{path.name} is cut short: tensor {t.name} ends at byte {end}, but the file has {size} bytes"
+            )
+        if t.tensor_type in checked:
+            continue
+        block_bytes = GGML_QUANT_SIZES[t.tensor_type][1]
+        try:
+            dequantize(np.zeros((1, block_bytes), dtype=np.uint8), t.tensor_type)
+        except NotImplementedError:
+            raise ModelResolutionError(
+                f"{path.name}: tensor {t.name} is of type {t.tensor_type.name}, which cannot be dequantized"
+            ) from None
+        checked.add(t.tensor_type)
+
+
 def convert_gguf(gguf_path: Path, cache: Path) -> Path:
     """Returns the converted folder for `gguf_path`, converting on first use."""
     out = converted_folder(gguf_path, cache)
     if out.is_dir():
         progress(f"using converted {gguf_path.name} in {out}")
         return out
+    check_gguf_file(gguf_path)
     cache.mkdir(parents=True, exist_ok=True)
     tmp = cache / f".tmp-{out.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -241,13 +240,17 @@ def test_gguf_conversion_writes_the_standard_layout(smollm2_dir):
     assert (smollm2_dir / "chat_template.jinja").read_text() == tokenizer_config["chat_template"]
 
 
-def test_gguf_conversion_is_cached(smollm2_dir, smollm2_gguf):
+def test_gguf_conversion_is_cached(smollm2_dir, smollm2_gguf, monkeypatch):
+    from sluice_server import gguf_convert
+
+    def convert_again(*args):
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(gguf_convert, "_write_folder", convert_again)
     cache = smollm2_dir.parent.parent  # <cache>/sluice-gguf/<name>
     weights = smollm2_dir / "model.safetensors"
     before = weights.stat().st_mtime_ns
-    start = time.monotonic()
     assert resolve_model(str(smollm2_gguf), cache_dir=str(cache)) == smollm2_dir
-    assert time.monotonic() - start < 5  # a conversion takes about a minute
     assert weights.stat().st_mtime_ns == before
 
 
@@ -264,15 +267,18 @@ def test_a_broken_gguf_fails_cleanly_and_leaves_nothing(tmp_path):
     gguf = tmp_path / "broken.gguf"
     gguf.write_bytes(b"this is not a gguf file" * 100)
     cache = tmp_path / "cache"
-    with pytest.raises(ModelResolutionError, match="broken.gguf"):
+    with pytest.raises(ModelResolutionError, match="broken.gguf is not a GGUF file"):
         resolve_model(str(gguf), cache_dir=str(cache))
-    assert list((cache / "sluice-gguf").iterdir()) == []
+    folder = cache / "sluice-gguf"
+    assert not folder.exists() or list(folder.iterdir()) == []
 
 
 def test_converted_weights_match_the_gguf(smollm2_dir, smollm2_gguf):
-    """The folder holds what transformers reads from the .gguf itself (the
-    reference loads the file directly, so a conversion bug, such as a missed
-    q/k un-permutation or a lost tied embedding, cannot hide behind it)."""
+    """The folder computes what transformers computes reading the .gguf
+    directly: our save path (save_pretrained, the tied embedding, the files
+    beside the weights) loses nothing. A round trip through the same reader,
+    so a mistake inside transformers' GGUF reader would be on both sides;
+    test_gguf_files.py checks the folder against an independent decoding."""
     from transformers import AutoModelForCausalLM
 
     from sluice_server.gguf_convert import _dequantize_option
