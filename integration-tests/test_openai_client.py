@@ -30,8 +30,12 @@ def test_chat_completion(client, model):
     assert resp.usage.completion_tokens <= 16
     assert resp.usage.prompt_tokens > 5
     assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
-    assert resp.usage.prompt_tokens_details is not None
-    assert resp.usage.prompt_tokens_details.cached_tokens >= 0
+    # The same prompt again: every full block of it but the one holding its
+    # last token comes from the prefix cache (16-token blocks).
+    again = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=16, temperature=0)
+    assert again.usage.prompt_tokens == resp.usage.prompt_tokens
+    assert again.usage.prompt_tokens_details.cached_tokens == (resp.usage.prompt_tokens - 1) // 16 * 16
+    assert again.choices[0].message.content == choice.message.content
 
 
 def test_chat_stream_matches_non_stream(client, model):
@@ -96,14 +100,38 @@ def test_completion_logprobs(client, model):
     assert all(len(t) == 2 for t in lp.top_logprobs)
 
 
-def test_stop_sequence_is_cut(client, model):
-    base = client.completions.create(model=model, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0)
+def stop_across_tokens(tokens: list[str]) -> tuple[str, int]:
+    """A two-character stop string, the last character of one token and the
+    first of the next, whose first occurrence in the text is there: only a
+    check across token boundaries finds it. Returns it and where it starts."""
+    text, offset = "".join(tokens), 0
+    for left, right in zip(tokens, tokens[1:]):
+        offset += len(left)
+        if left and right and offset > 1:
+            stop = left[-1] + right[0]
+            if stop.strip() and text.find(stop) == offset - 1:
+                return stop, offset - 1
+    pytest.fail(f"no stop string across a token boundary in {tokens!r}")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_stop_sequence_across_tokens_is_cut(client, model, stream):
+    prompt = "1, 2, 3, 4,"
+    base = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0, logprobs=0)
+    tokens = base.choices[0].logprobs.tokens
     text = base.choices[0].text
-    assert len(text) > 4
-    stop = text[2:4]
-    resp = client.completions.create(model=model, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0, stop=[stop])
-    assert resp.choices[0].finish_reason == "stop"
-    assert resp.choices[0].text == text[: text.index(stop)]
+    assert "".join(tokens) == text and len(tokens) == 16
+    stop, start = stop_across_tokens(tokens)
+    kwargs = dict(model=model, prompt=prompt, max_tokens=16, temperature=0, stop=[stop])
+    if stream:
+        chunks = list(client.completions.create(stream=True, **kwargs))
+        got = "".join(c.choices[0].text for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    else:
+        resp = client.completions.create(**kwargs)
+        got, finish = resp.choices[0].text, [resp.choices[0].finish_reason]
+    assert finish == ["stop"]
+    assert got == text[:start], (stop, tokens)
 
 
 def test_seed_reproducible(client, model):
