@@ -32,8 +32,8 @@ from pathlib import Path
 
 import httpx
 
-from sluice_server.bench import BenchConfig, RunResult, WorkloadSpec, run_benchmark_sync
-from sluice_server.bench.report import result_table, versions
+from sluice_bench import BenchConfig, RunResult, WorkloadSpec, run_benchmark_sync
+from sluice_bench.report import result_table, versions
 
 GOAL_THROUGHPUT = 2.0
 GOAL_TTFT = 4.0

@@ -23,7 +23,7 @@ cargo test --workspace --quiet
 # One pytest process per folder: each folder has its own conftest.py, and
 # tests import helpers from it by that module name. -rs prints every skip
 # with its reason.
-for suite in server/tests kernels integration-tests; do
+for suite in server/tests server/kernel_tests server/bench_tests integration-tests; do
   echo "== pytest $suite"
   python -m pytest -q -rs -p no:cacheprovider "$suite"
 done

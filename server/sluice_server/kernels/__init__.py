@@ -2,8 +2,8 @@
 
 One module per kernel; each holds the `@triton.jit` kernel, a launcher that
 checks the layout it expects, and `*_reference`, a plain-torch function with
-the launcher's signature that the tests (in the repository's `kernels/`
-folder) compare it with:
+the launcher's signature that the tests (`server/kernel_tests/`) compare it
+with (README.md here has the design, the tolerances and GPU timings):
 
 - `paged_attention`   - attention over the paged KV cache for a mixed batch
                         (decodes with split-KV, prefill chunks over cached prefixes).

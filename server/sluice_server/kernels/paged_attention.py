@@ -236,7 +236,7 @@ class TileLaunch:
     # come first in the batch), which sizes the partial buffers.
     num_rows: int
     # Keys per loop iteration and the compiler's launch settings (tuned on an
-    # H200 with kernels/bench.py --sweep).
+    # H200 with benchmarks/kernel_bench.py --sweep).
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3

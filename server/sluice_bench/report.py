@@ -122,10 +122,8 @@ def compare_table(results: list[RunResult]) -> str:
 def versions() -> dict:
     import httpx
 
-    from .. import __version__
-
     return {
-        "sluice_bench": __version__,
+        "sluice_bench": _installed_version("sluice"),
         "python": sys.version.split()[0],
         "httpx": httpx.__version__,
         "platform": platform.platform(),
@@ -143,3 +141,13 @@ def write_json(path: str | Path, config: dict, results: list[RunResult], with_re
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+
+
+def _installed_version(distribution: str) -> str:
+    """The installed distribution's version (sluice-bench ships in the `sluice` wheel)."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:  # a source checkout never installed
+        return "unknown"

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from _bench_fakes import FakeServer, byte_level_bpe, metaspace_bpe_with_bos
 
-from sluice_server.bench.workloads import (
+from sluice_bench.workloads import (
     LocalTokenizer,
     RemoteTokenizer,
     WorkloadSpec,
@@ -122,7 +122,7 @@ def test_remote_tokenizer_builds_the_same_prompts_as_the_local_one(dialect):
 
     async def remote_plan(url):
         async with httpx.AsyncClient() as client:
-            from sluice_server.bench.workloads import build_plan
+            from sluice_bench.workloads import build_plan
 
             return await build_plan(spec, RemoteTokenizer(client, url, "fake-model", {}), seed=1)
 

@@ -15,7 +15,7 @@ A benchmark goes through the modules in this order:
 
 `cli` is the `sluice-bench` command. From Python:
 
-    from sluice_server.bench import BenchConfig, WorkloadSpec, run_benchmark_sync
+    from sluice_bench import BenchConfig, WorkloadSpec, run_benchmark_sync
     result = run_benchmark_sync(BenchConfig(base_url="http://localhost:8080",
                                             spec=WorkloadSpec(kind="random"), concurrency=8))
     result.summary["output_throughput"]

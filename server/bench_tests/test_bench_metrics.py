@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from sluice_server.bench.metrics import (
+from sluice_bench.metrics import (
     RequestRecord,
     cost_per_million,
     is_good,

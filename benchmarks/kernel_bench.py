@@ -1,6 +1,6 @@
 """Times each Triton kernel against a torch baseline on one GPU (not a test).
 
-    python kernels/bench.py [--out results.json] [--dtype bfloat16]
+    python benchmarks/kernel_bench.py [--out results.json] [--dtype bfloat16]
 
 Decode attention also reports its achieved memory bandwidth (the K/V bytes it
 must read, over its time) as a fraction of the device's copy bandwidth,
@@ -240,7 +240,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.py needs a CUDA GPU (none found); the kernels' correctness tests run on CPU: "
-              "python -m pytest kernels -q", file=sys.stderr)
+              "python -m pytest server/kernel_tests -q", file=sys.stderr)
         return 2
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "server"))
     torch.manual_seed(0)

@@ -12,9 +12,9 @@ import tempfile
 import pytest
 from _bench_fakes import FakeServer, byte_level_bpe
 
-from sluice_server.bench import cli
-from sluice_server.bench.runner import BenchConfig, poisson_arrivals, run_benchmark_sync
-from sluice_server.bench.workloads import WorkloadSpec
+from sluice_bench import cli
+from sluice_bench.runner import BenchConfig, poisson_arrivals, run_benchmark_sync
+from sluice_bench.workloads import WorkloadSpec
 
 TOK = byte_level_bpe()
 TOK_DIR = tempfile.mkdtemp(prefix="bench-tok-")

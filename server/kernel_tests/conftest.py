@@ -22,8 +22,9 @@ import torch
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-# The kernels live in the server package; make it importable from a plain checkout.
-_SERVER = Path(__file__).resolve().parent.parent / "server"
+# The kernels live in the server package beside this folder; make it
+# importable from a plain checkout.
+_SERVER = Path(__file__).resolve().parent.parent
 if str(_SERVER) not in sys.path:
     sys.path.insert(0, str(_SERVER))
 

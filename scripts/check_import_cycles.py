@@ -1,0 +1,263 @@
+#!/usr/bin/env python3
+"""Fails when modules import each other in a circle, in the router and
+launcher crates (Rust) or the Python packages under server/.
+
+A module that imports another must not be imported by it, directly or
+through others. What counts as an import:
+
+- Rust: every `crate::a::b`, `super::x` or `self::x` path in a file (in `use`
+  trees and inline in code), resolved to the file module that defines it
+  (`a/b.rs` or `a/b/mod.rs`); a file's inline `mod tests { .. }` counts as
+  the file. `mod x;` declarations are not imports, so a parent's methods
+  implemented in child files (`impl Scheduler` in `scheduler/step.rs`) are
+  not a circle as long as the parent does not import those children.
+- Python: every `import` / `from ... import` statement of the package,
+  function-level (lazy) imports included, resolved to the most specific
+  module of the package it names.
+
+    python scripts/check_import_cycles.py          # exit 1 and print each circle
+
+Run by scripts/test.sh.
+"""
+
+from __future__ import annotations
+
+import ast
+import bisect
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RUST_CRATES = {"router": ROOT / "router" / "src", "launcher": ROOT / "launcher" / "src"}
+PYTHON_PACKAGES = [ROOT / "server" / p for p in ("sluice_server", "sluice_bench")]
+
+Graph = dict[str, set[str]]
+
+
+# -- Rust ---------------------------------------------------------------------
+
+
+def rust_modules(src: Path) -> dict[tuple[str, ...], Path]:
+    """Module path (crate-relative) -> file, for the library crate rooted at lib.rs
+    (or main.rs). Files under src/bin/ are separate crates and are skipped."""
+    modules: dict[tuple[str, ...], Path] = {}
+    for path in src.rglob("*.rs"):
+        rel = path.relative_to(src)
+        if rel.parts[0] == "bin":
+            continue
+        parts = list(rel.with_suffix("").parts)
+        if parts in (["lib"], ["main"]):
+            parts = []
+        elif parts[-1] == "mod":
+            parts = parts[:-1]
+        modules[tuple(parts)] = path
+    return modules
+
+
+_USE = re.compile(r"\buse\s+([^;]+);", re.S)
+_PATH = re.compile(r"\b((?:crate|super|self)(?:\s*::\s*(?:[A-Za-z_][A-Za-z0-9_]*|\*))+)")
+_INLINE_MOD = re.compile(r"\bmod\s+\w+\s*\{")
+
+
+def _expand_use_tree(tree: str) -> list[str]:
+    """`crate::a::{b, c::{d, e}}` -> ["crate::a::b", "crate::a::c::d", "crate::a::c::e"]."""
+    tree = re.sub(r"\s+", "", tree)
+    if "{" not in tree:
+        return [tree]
+    head, _, rest = tree.partition("{")
+    body = rest[: rest.rindex("}")]
+    items, depth, current = [], 0, ""
+    for ch in body:
+        if ch == "," and depth == 0:
+            items.append(current)
+            current = ""
+            continue
+        depth += ch == "{"
+        depth -= ch == "}"
+        current += ch
+    items.append(current)
+    out = []
+    for item in filter(None, items):
+        out.extend(_expand_use_tree(head + item))
+    return out
+
+
+def _blank(match: re.Match) -> str:
+    return re.sub(r"[^\n]", " ", match.group(0))
+
+
+def _strip_comments_and_strings(text: str) -> str:
+    """Blanks comments and string/char literals, keeping every offset."""
+    pattern = r'/\*.*?\*/|//[^\n]*|r#*"(?:.|\n)*?"#*|"(?:\\.|[^"\\])*"|\'(?:\\.|[^\'\\])\''
+    return re.sub(pattern, _blank, text, flags=re.S)
+
+
+def _inline_depth(text: str):
+    """pos -> how many inline `mod x { .. }` blocks enclose that offset."""
+    opens = {m.end() - 1 for m in _INLINE_MOD.finditer(text)}
+    stack: list[bool] = []
+    changes: list[tuple[int, int]] = [(0, 0)]
+    depth = 0
+    for i, ch in enumerate(text):
+        if ch == "{":
+            stack.append(i in opens)
+            if i in opens:
+                depth += 1
+                changes.append((i, depth))
+        elif ch == "}" and stack:
+            if stack.pop():
+                depth -= 1
+                changes.append((i, depth))
+    positions = [p for p, _ in changes]
+
+    def at(pos: int) -> int:
+        return changes[bisect.bisect_right(positions, pos) - 1][1]
+
+    return at
+
+
+def _resolve(segments: list[str], here: tuple[str, ...], modules) -> tuple[str, ...] | None:
+    first, rest = segments[0], segments[1:]
+    if first == "crate":
+        base: tuple[str, ...] = ()
+    elif first == "self":
+        base = here
+    else:  # super (possibly repeated)
+        base = here[:-1]
+        while rest and rest[0] == "super":
+            base, rest = base[:-1], rest[1:]
+    path = base + tuple(s for s in rest if s not in ("*", "self"))
+    for n in range(len(path), -1, -1):
+        if path[:n] in modules:
+            return path[:n]
+    return None
+
+
+def rust_graph(src: Path) -> Graph:
+    modules = rust_modules(src)
+
+    def name(module: tuple[str, ...]) -> str:
+        return "::".join(module) or "crate"
+
+    graph: Graph = {name(m): set() for m in modules}
+    for module, path in modules.items():
+        text = _strip_comments_and_strings(path.read_text())
+        depth = _inline_depth(text)
+        found: list[tuple[str, int]] = []
+        for use in _USE.finditer(text):
+            found.extend((p, use.start()) for p in _expand_use_tree(use.group(1)))
+        for m in _PATH.finditer(_USE.sub(_blank, text)):
+            found.append((m.group(1), m.start()))
+        for p, pos in found:
+            segments = [s for s in re.sub(r"\s+", "", p).split("::") if s]
+            if not segments or segments[0] not in ("crate", "super", "self"):
+                continue
+            # Inside an inline module, `super` starts from that module.
+            here = module + ("<inline>",) * depth(pos)
+            target = _resolve(segments, here, modules)
+            if target is not None and target != module:
+                graph[name(module)].add(name(target))
+    return graph
+
+
+# -- Python -------------------------------------------------------------------
+
+
+def python_graph(package: Path) -> Graph:
+    root = package.parent
+    modules: dict[str, Path] = {}
+    for path in package.rglob("*.py"):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join(parts)] = path
+
+    def most_specific(name: str) -> str | None:
+        while name:
+            if name in modules:
+                return name
+            name = name.rpartition(".")[0]
+        return None
+
+    graph: Graph = {m: set() for m in modules}
+    for me, path in modules.items():
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = me.split(".")
+                    base = base[: len(base) - node.level + (1 if is_package else 0)]
+                    prefix = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    prefix = node.module or ""
+                targets = [f"{prefix}.{alias.name}" for alias in node.names]
+            for target in targets:
+                found = most_specific(target)
+                if found and found != me:
+                    graph[me].add(found)
+    return graph
+
+
+# -- cycles -------------------------------------------------------------------
+
+
+def cycles(graph: Graph) -> list[list[str]]:
+    """The modules that import each other in a circle, one list per group
+    (strongly connected component, Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    sys.setrecursionlimit(10000)
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return components
+
+
+def main() -> int:
+    graphs = {f"{name} crate": rust_graph(src) for name, src in RUST_CRATES.items()}
+    graphs.update({f"python {p.name}": python_graph(p) for p in PYTHON_PACKAGES if p.is_dir()})
+    failed = False
+    for name, graph in graphs.items():
+        found = cycles(graph)
+        edges = sum(len(v) for v in graph.values())
+        print(f"{name}: {len(graph)} modules, {edges} imports, {len(found)} circles")
+        for component in found:
+            failed = True
+            print("    circle among: " + ", ".join(component))
+            for v in component:
+                inside = sorted(graph[v] & set(component))
+                print(f"        {v} imports {', '.join(inside)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
