@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything (scripts/install.sh --test) and runs every test:
-# the Rust unit/property tests, the shard's Python tests, the kernel tests
-# and the end-to-end tests against a real launcher.
+# the Rust unit/property tests, the shard's Python tests, the kernel tests,
+# the Helm chart's tests and the end-to-end tests against a real launcher.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh --test
@@ -12,6 +12,10 @@ if ! command -v promtool >/dev/null; then
   [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq prometheus
 fi
+# helm for the chart tests (deploy/tests, integration-tests/test_pod_contract.py):
+# built once from the Go module proxy, then cached in ~/.cache/sluice/tools.
+SLUICE_HELM="$(bash scripts/install_helm.sh)"
+export SLUICE_HELM
 VENV="${SLUICE_VENV:-$PWD/.venv}"
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
@@ -23,7 +27,7 @@ cargo test --workspace --quiet
 # One pytest process per folder: each folder has its own conftest.py, and
 # tests import helpers from it by that module name. -rs prints every skip
 # with its reason.
-for suite in server/tests server/kernel_tests server/bench_tests integration-tests; do
+for suite in server/tests server/kernel_tests server/bench_tests deploy/tests integration-tests; do
   echo "== pytest $suite"
   python -m pytest -q -rs -p no:cacheprovider "$suite"
 done
