@@ -171,6 +171,11 @@ pub struct Args {
     /// tokens, prefix-cache hit ratio). Default: the router's (60).
     #[arg(long, env = "COST_WINDOW_SECS", value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub cost_window_secs: Option<u64>,
+
+    /// Check the flags and environment variables, print the configuration they give, and exit
+    /// without starting anything (e.g. to check a deployment's container spec).
+    #[arg(long)]
+    pub dry_run: bool,
 }
 
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -226,6 +231,15 @@ impl Args {
     /// The id given to `download-weights`.
     pub fn model_to_resolve(&self) -> &str {
         self.model_id.as_deref().unwrap_or(BUNDLED_MODEL)
+    }
+
+    /// What `--dry-run` prints: the parsed configuration, the API key masked.
+    pub fn dry_run_report(&self) -> String {
+        let mut shown = self.clone();
+        if shown.api_key.is_some() {
+            shown.api_key = Some("<set>".to_string());
+        }
+        format!("{shown:#?}")
     }
 
     /// `{shard_uds_path}-{rank}`: the socket file shard `rank` listens on.
@@ -307,6 +321,16 @@ mod tests {
         assert_eq!(a.kv_cache_bytes, Some(1_000_000));
         assert_eq!((a.hourly_cost, a.cost_window_secs), (Some(1.5), Some(30)));
         assert!(a.json_output && a.trust_remote_code);
+    }
+
+    #[test]
+    fn dry_run_reports_the_configuration_without_the_key() {
+        let a = parse(&["--dry-run", "--model-id", "org/name", "--api-key", "secret"]).unwrap();
+        assert!(a.dry_run);
+        let report = a.dry_run_report();
+        assert!(report.contains("org/name") && report.contains("<set>"), "{report}");
+        assert!(!report.contains("secret"), "{report}");
+        assert!(!parse(&[]).unwrap().dry_run);
     }
 
     #[test]

@@ -34,6 +34,10 @@ use std::process::ExitCode;
 
 fn main() -> ExitCode {
     let args = args::Args::from_env();
+    if args.dry_run {
+        println!("{}", args.dry_run_report());
+        return ExitCode::SUCCESS;
+    }
     log::init(args.json_output);
     // Current-thread on purpose: children get a parent-death signal tied to
     // the thread that forks them, and this thread lives as long as the process.
