@@ -1,6 +1,6 @@
 """--api-key and --cors-allow-origin against the real launcher (tiny model).
 
-Every route but the probes (/health, /ready) needs `Authorization: Bearer
+Every route but the probes (/health, /ready) and /metrics needs `Authorization: Bearer
 KEY`; the scheme is case-insensitive (RFC 9110 section 11.1), the key is not.
 CORS preflights are answered for the allowed origin only, without the key
 (browsers never send credentials on a preflight).
@@ -27,10 +27,11 @@ GUARDED = [
     ("POST", "/tokenize", {"inputs": "hi"}),
     ("GET", "/v1/models", None),
     ("GET", "/info", None),
-    ("GET", "/metrics", None),
     ("GET", "/openapi.json", None),
 ]
-OPEN = ["/health", "/ready"]
+# Probes, and the metrics: Prometheus and the Gateway API Inference
+# Extension's endpoint picker scrape them without a key.
+OPEN = ["/health", "/ready", "/metrics"]
 
 
 @pytest.fixture(scope="module")

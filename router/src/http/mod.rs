@@ -114,12 +114,14 @@ pub fn app(state: Arc<AppState>, options: &HttpOptions) -> Router {
         .route("/tokenize", post(tokenize))
         .route("/v1/models", get(models))
         .route("/info", get(info))
-        .route("/metrics", get(metrics))
         .route("/openapi.json", get(openapi))
         .layer(middleware::from_fn_with_state(state.clone(), require_api_key))
-        // Liveness and readiness stay reachable without the key (probes).
+        // Reachable without the key: liveness and readiness (probes), and
+        // the metrics (Prometheus and the Gateway API Inference Extension's
+        // endpoint picker scrape them; they carry no request content).
         .route("/health", get(health))
         .route("/ready", get(ready))
+        .route("/metrics", get(metrics))
         .layer(DefaultBodyLimit::max(options.payload_limit))
         .with_state(state);
     if options.cors_allow_origin.is_empty() {

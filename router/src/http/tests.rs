@@ -21,6 +21,7 @@ struct Setup {
     max_concurrent_requests: u32,
     payload_limit: usize,
     hourly_cost: Option<f64>,
+    api_key: Option<String>,
 }
 
 impl Default for Setup {
@@ -31,6 +32,7 @@ impl Default for Setup {
             max_concurrent_requests: 64,
             payload_limit: 4096,
             hourly_cost: None,
+            api_key: None,
         }
     }
 }
@@ -94,7 +96,7 @@ fn build(setup: Setup) -> (Router, Arc<AppState>) {
         metrics: crate::metrics::install(),
         draining: Arc::new(AtomicBool::new(false)),
         progress_timeout: Duration::from_secs(5),
-        api_key: None,
+        api_key: setup.api_key,
         started: Instant::now(),
     });
     let options = HttpOptions { payload_limit: setup.payload_limit, cors_allow_origin: vec![] };
@@ -359,6 +361,25 @@ async fn info_models_tokenize_metrics_and_openapi() {
         assert!(doc["paths"][path].is_object(), "{path} missing");
     }
     assert!(doc["components"]["schemas"]["Info"]["properties"]["hourly_cost"].is_object());
+}
+
+#[tokio::test]
+async fn the_api_key_guards_the_api_but_not_probes_or_metrics() {
+    let (app, _) = build(Setup { api_key: Some("k".into()), ..Default::default() });
+    let (status, _, _) = call(&app, "GET", "/v1/models", None).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    let keyed = Request::builder().uri("/v1/models").header("authorization", "Bearer k").body(Body::empty()).unwrap();
+    assert_eq!(app.clone().oneshot(keyed).await.unwrap().status(), StatusCode::OK);
+    // Probes, Prometheus and an endpoint picker send no key.
+    for path in ["/health", "/ready", "/metrics"] {
+        let (status, _, body) = call(&app, "GET", path, None).await;
+        assert_eq!(status, StatusCode::OK, "{path}: {body}");
+    }
+    // The picker's KV gauge exists before any request (the recorder is
+    // shared by every test here, so only its range is certain).
+    let (_, _, metrics) = call(&app, "GET", "/metrics", None).await;
+    let ratio = sample(&metrics, "sluice_kv_cache_usage_ratio").unwrap_or_else(|| panic!("{metrics}"));
+    assert!((0.0..=1.0).contains(&ratio), "{ratio}");
 }
 
 /// One unlabelled sample of an exposition.

@@ -84,6 +84,9 @@ pub fn spawn<S: Shard>(shard: S, config: SchedulerConfig, info: ShardInfo) -> In
     let (commands, receiver) = mpsc::channel(1024);
     stats::describe();
     let scheduler = Scheduler::new(config);
+    // The queue and KV gauges exist from the first scrape (an endpoint
+    // picker reads them before any request arrives).
+    stats::queue(&scheduler);
     tokio::spawn(run(scheduler, shard, receiver));
     Infer { commands, info: Arc::new(info) }
 }

@@ -12,6 +12,10 @@ pub(crate) fn describe() {
     describe_gauge!("sluice_queue_size", "Requests waiting for admission");
     describe_gauge!("sluice_batch_current_size", "Requests in the running batch");
     describe_gauge!("sluice_kv_blocks_capacity", "KV cache blocks the scheduler may hand out (capacity)");
+    describe_gauge!(
+        "sluice_kv_cache_usage_ratio",
+        "KV blocks held by running requests / capacity, in [0, 1] (what an endpoint picker reads)"
+    );
     describe_gauge!("sluice_kv_blocks_used", "KV blocks referenced by running requests");
     describe_gauge!("sluice_kv_blocks_cached", "KV blocks held only by the prefix cache (evictable)");
     describe_gauge!("sluice_kv_blocks_free", "KV blocks on the free list");
@@ -48,7 +52,11 @@ pub(crate) fn queue(s: &Scheduler) {
     gauge!("sluice_kv_blocks_capacity").set(total as f64);
     gauge!("sluice_kv_blocks_free").set(free as f64);
     gauge!("sluice_kv_blocks_cached").set(cached as f64);
-    gauge!("sluice_kv_blocks_used").set(total.saturating_sub(free + cached) as f64);
+    let used = total.saturating_sub(free + cached);
+    gauge!("sluice_kv_blocks_used").set(used as f64);
+    // Cached-only blocks are evictable on demand, so they count as free (as
+    // vLLM's kv_cache_usage_perc counts them).
+    gauge!("sluice_kv_cache_usage_ratio").set(if total == 0 { 0.0 } else { used as f64 / total as f64 });
     gauge!("sluice_prefix_cache_tree_blocks").set(s.kv.tree_blocks() as f64);
 }
 
