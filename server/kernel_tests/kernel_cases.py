@@ -112,9 +112,10 @@ def make_batch(
     )
 
 
-def dense_attention(batch: PagedBatch) -> torch.Tensor:
+def dense_attention(batch: PagedBatch, window: int | None = None) -> torch.Tensor:
     """softmax(Q K^T / sqrt(D)) V per sequence in float64 from the un-paged
-    k/v, new token i of a sequence seeing keys [0, cached + i]. [T, Hq, D] float64."""
+    k/v, new token i of a sequence seeing keys [0, cached + i] (with a sliding
+    window W, only the last W of them). [T, Hq, D] float64."""
     num_q_heads, head_dim = batch.q.shape[1:]
     outs = []
     start = 0
@@ -125,7 +126,11 @@ def dense_attention(batch: PagedBatch) -> torch.Tensor:
         v = batch.values[s].double().repeat_interleave(group, 1).transpose(0, 1)
         scores = q @ k.transpose(1, 2) / head_dim**0.5
         pos = torch.arange(q_len, device=q.device)[:, None] + (seq_len - q_len)
-        scores = scores.masked_fill(torch.arange(seq_len, device=q.device)[None, :] > pos, float("-inf"))
+        keys_at = torch.arange(seq_len, device=q.device)[None, :]
+        hidden = keys_at > pos
+        if window is not None:
+            hidden |= keys_at <= pos - window
+        scores = scores.masked_fill(hidden, float("-inf"))
         outs.append((scores.softmax(-1) @ v).transpose(0, 1))
         start += q_len
     return torch.cat(outs)

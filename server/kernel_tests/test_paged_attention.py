@@ -35,7 +35,7 @@ CASES = [
 ]
 
 
-def run_kernel(batch, num_splits):
+def run_kernel(batch, num_splits, window=None):
     reshape_and_cache(batch.k_new, batch.v_new, batch.k_cache, batch.v_cache, batch.slot_mapping)
     num_q_heads, num_kv_heads = batch.q.shape[1], batch.k_cache.shape[2]
     plan = plan_attention(
@@ -43,11 +43,11 @@ def run_kernel(batch, num_splits):
         num_splits=num_splits,
     )
     args = (batch.q, batch.k_cache, batch.v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, plan)
-    return paged_attention(*args), paged_attention_reference(*args)
+    return paged_attention(*args, window=window), paged_attention_reference(*args, window=window)
 
 
-def check(batch, out, ref):
-    dense = dense_attention(batch)
+def check(batch, out, ref, window=None):
+    dense = dense_attention(batch, window)
     tol = TOLERANCES[batch.q.dtype]
     assert out.dtype == batch.q.dtype and not out.isnan().any()
     torch.testing.assert_close(out.float(), ref.float(), **tol)
@@ -75,6 +75,20 @@ def test_small_batches(seqs):
     """One token alone; prefill only; decodes only; one chunk over a cached prefix."""
     batch = make_batch(seqs, 4, 2, 64, 16, torch.float32, seed=len(seqs))
     check(batch, *run_kernel(batch, None))
+
+
+@pytest.mark.parametrize("window,num_splits,case", [
+    (1, 1, CASES[0]),  # each token sees only itself
+    (10, 1, CASES[1]),  # windows that start mid-block, shorter than a prefill tile
+    (24, 3, CASES[2]),  # split-KV over the window of each decode
+    (70, 2, CASES[4]),  # one decode (71 keys) just past the window, the rest inside it
+], ids=str)
+def test_sliding_window(window, num_splits, case):
+    """Every query sees only its last `window` keys: decodes and prefill
+    chunks, fresh and over cached prefixes, against the dense truth."""
+    head_dim, num_q_heads, num_kv_heads, block_size, dtype = case
+    batch = make_batch(MIXED, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed=window)
+    check(batch, *run_kernel(batch, num_splits, window), window)
 
 
 def test_long_context():
@@ -130,6 +144,16 @@ def test_gpu_large(head_dim, heads, block_size, dtype):
     for splits in (None, 16):
         batch = make_batch(seqs, *heads, head_dim, block_size, dtype, seed=head_dim)
         check(batch, *run_kernel(batch, splits))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [512, 4096])
+def test_gpu_sliding_window(window):
+    """Gemma 3 / Mistral-sized windows over long contexts, split and not."""
+    seqs = [(c, 1) for c in (0, 100, 511, 512, 5000, 8191)] + [(0, 700), (4000, 129), (600, 2)]
+    for splits in (None, 8):
+        batch = make_batch(seqs, 8, 1, 256 if window == 512 else 128, 16, torch.bfloat16, seed=window)
+        check(batch, *run_kernel(batch, splits, window), window)
 
 
 @pytest.mark.gpu

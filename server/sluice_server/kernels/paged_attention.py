@@ -11,6 +11,10 @@ context = seq_len - q_len, and sees keys [0, context + i]:
              cached prefix: all     | new tokens: causal
     query i:  sees ───────────────────────────────► context + i
 
+Sliding window W (`window` > 0): query i sees only keys (context + i - W,
+context + i]. A tile then starts at its first row's first visible key, and
+every step is masked (the unmasked fast loop below is for global layers).
+
 Work split. A program handles one *tile* of one sequence for one KV head:
 BLOCK_Q consecutive new tokens times the G = Hq / Hkv query heads that share
 the KV head, laid out as BLOCK_M = BLOCK_Q * G_PAD rows (G_PAD = G rounded up
@@ -56,14 +60,15 @@ PREFILL_CONFIG = dict(block_n=64, num_warps=4, num_stages=3)
 
 @triton.jit
 def _attend_keys(
-    q, m_i, l_i, acc, start, hi, q_pos, table, k_cache_ptr, v_cache_ptr, kv_head, dims, dim_ok, scale_log2,
+    q, m_i, l_i, acc, start, hi, q_pos, window, table, k_cache_ptr, v_cache_ptr, kv_head, dims, dim_ok, scale_log2,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, SLIDING: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     """One online-softmax step over keys [start, start + BLOCK_N), gathered
-    through the block table. MASKED: some keys are >= hi or after some row's
-    position; otherwise every key is visible to every row."""
+    through the block table. MASKED: some keys are >= hi, after some row's
+    position or (SLIDING) before some row's window; otherwise every key is
+    visible to every row."""
     keys = start + tl.arange(0, BLOCK_N)
     offset = keys % BLOCK_SIZE
     if MASKED:
@@ -82,6 +87,8 @@ def _attend_keys(
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     if MASKED:
         visible = key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
+        if SLIDING:
+            visible = visible & (keys[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     if MASKED:
@@ -110,7 +117,7 @@ def _attend_keys(
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     tiles_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    scale_log2,
+    scale_log2, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt,
@@ -119,7 +126,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    SKIP_FULL_MASKS: tl.constexpr,
+    SKIP_FULL_MASKS: tl.constexpr, SLIDING: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -147,10 +154,15 @@ def _paged_attention_kernel(
     if DOT_UPCAST:
         q = q.to(tl.float32)
 
-    # This tile's last token sees keys [0, kv_end); this split takes [lo, hi).
+    # The tile's rows see keys [kv_begin, kv_end) together: its last token
+    # sees up to kv_end, its first (with a window) from kv_begin. This split
+    # takes [lo, hi).
     kv_end = context + tl.minimum(q_first + BLOCK_Q, q_len)
-    seg = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * seg
+    kv_begin = 0
+    if SLIDING:
+        kv_begin = tl.maximum(context + q_first - window + 1, 0)
+    seg = tl.cdiv(tl.cdiv(kv_end - kv_begin, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = kv_begin + split * seg
     hi = tl.minimum(lo + seg, kv_end)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -173,15 +185,15 @@ def _paged_attention_kernel(
         full_end = lo + tl.maximum(full_hi - lo, 0) // BLOCK_N * BLOCK_N
         for start in tl.range(lo, full_end, BLOCK_N):
             m_i, l_i, acc = _attend_keys(
-                q, m_i, l_i, acc, start, hi, q_pos, table, k_cache_ptr, v_cache_ptr, kv_head, dims, dim_ok,
+                q, m_i, l_i, acc, start, hi, q_pos, window, table, k_cache_ptr, v_cache_ptr, kv_head, dims, dim_ok,
                 scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                BLOCK_N, BLOCK_SIZE, False, DOT_PRECISION, DOT_UPCAST,
+                BLOCK_N, BLOCK_SIZE, False, False, DOT_PRECISION, DOT_UPCAST,
             )
     for start in tl.range(full_end, hi, BLOCK_N):
         m_i, l_i, acc = _attend_keys(
-            q, m_i, l_i, acc, start, hi, q_pos, table, k_cache_ptr, v_cache_ptr, kv_head, dims, dim_ok, scale_log2,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION, DOT_UPCAST,
+            q, m_i, l_i, acc, start, hi, q_pos, window, table, k_cache_ptr, v_cache_ptr, kv_head, dims, dim_ok,
+            scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            BLOCK_N, BLOCK_SIZE, True, SLIDING, DOT_PRECISION, DOT_UPCAST,
         )
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -213,7 +225,8 @@ def _merge_kernel(
     dims = tl.arange(0, BLOCK_D)
     split_ok = splits < NUM_SPLITS
     lse = tl.load(part_lse_ptr + splits * stride_ls + row * stride_lt + head, mask=split_ok, other=float("-inf"))
-    # Split 0 always holds key 0, which every query sees: the max is finite.
+    # Split 0 always holds the decode's first visible key (key 0, or its
+    # window's first): the max is finite.
     weight = tl.exp2(lse - tl.max(lse, axis=0))
     parts = tl.load(
         part_out_ptr + splits[:, None] * stride_ps + row * stride_pt + head * stride_ph + dims[None, :],
@@ -326,11 +339,12 @@ def paged_attention(
     plan: AttentionPlan,
     scale: float | None = None,
     out: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D] (last dim contiguous), caches [num_blocks, block_size, Hkv, D]
     (last dim contiguous) already holding this step's k/v, query_start_loc [B+1],
     seq_lens [B], block_tables [B, max_blocks] -> out [T, Hq, D] in q's dtype.
-    `scale` defaults to 1/sqrt(D)."""
+    `scale` defaults to 1/sqrt(D); `window` (None: global) is the sliding window."""
     _check(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "head dim must be contiguous"
     assert block_tables.stride(1) == 1, "block table rows must be contiguous"
@@ -360,7 +374,7 @@ def paged_attention(
         _paged_attention_kernel[grid](
             q, k_cache, v_cache, out, part_out, part_lse,
             launch.tiles, query_start_loc, seq_lens, block_tables,
-            scale * LOG2E,
+            scale * LOG2E, window or 0,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -371,7 +385,7 @@ def paged_attention(
             GROUP=plan.group, GROUP_PAD=plan.group_pad, BLOCK_Q=launch.block_q, BLOCK_M=launch.block_m,
             BLOCK_N=launch.block_n, BLOCK_D=block_d, BLOCK_SIZE=block_size,
             NUM_SPLITS=splits, DOT_PRECISION=precision, DOT_UPCAST=upcast,
-            SKIP_FULL_MASKS=launch.block_q > 1,
+            SKIP_FULL_MASKS=launch.block_q > 1 and window is None, SLIDING=window is not None,
             num_warps=launch.num_warps, num_stages=launch.num_stages,
         )
         if splits > 1:
@@ -396,6 +410,7 @@ def paged_attention_reference(
     plan: AttentionPlan | None = None,
     scale: float | None = None,
     out: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """The same attention, one sequence at a time, in float32 (`plan` is ignored)."""
     _check(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
@@ -417,7 +432,10 @@ def paged_attention_reference(
         queries = q[rows].float().transpose(0, 1)  # [Hq, L, D]
         scores = queries @ keys.transpose(1, 2) * scale
         positions = torch.arange(q_len, device=q.device) + (seq_len - q_len)
-        hidden = torch.arange(seq_len, device=q.device)[None, :] > positions[:, None]
+        keys_at = torch.arange(seq_len, device=q.device)[None, :]
+        hidden = keys_at > positions[:, None]
+        if window is not None:
+            hidden |= keys_at <= positions[:, None] - window
         scores.masked_fill_(hidden, float("-inf"))
         out[rows] = (scores.softmax(-1) @ values).transpose(0, 1).to(out.dtype)
     return out

@@ -17,6 +17,15 @@ and attends to the keys at positions [0, its own position] of its sequence: the
 cached prefix plus the causal part of the new tokens. Keys live in the paged
 cache (see kv_cache.py); each layer first writes its new k/v through
 `slot_mapping`, then reads whole blocks through the block tables.
+
+A layer with a sliding window W (`LayerAttention.sliding_window`) sees only
+the last W of those keys, its own included:
+
+    position p, window W:   keys  0 ... p-W | p-W+1 ........ p
+                                   hidden   |  visible (W keys)
+
+The cache still holds every block of the sequence (other layers of the same
+model may be global); only the backends' reads change.
 """
 
 from __future__ import annotations
@@ -54,6 +63,35 @@ class AttentionMetadata:
     backend_state: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class LayerAttention:
+    """One layer's own attention settings, fixed when the model is built.
+
+    scale: the softmax scale; None means 1/sqrt(head_dim) (Gemma 3 uses
+        query_pre_attn_scalar**-0.5 instead).
+    sliding_window: None (global attention), or W: the token at position p
+        sees the keys at positions [max(0, p - W + 1), p], W keys counting its
+        own (transformers' `sliding_window`; Mistral, Gemma 3's local layers).
+    """
+
+    scale: float | None = None
+    sliding_window: int | None = None
+
+    def __post_init__(self):
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+
+    def window_for(self, seq_lens: list[int]) -> int | None:
+        """The window that matters for a batch: None when no sequence is longer
+        than it (then every key is visible anyway and global attention's
+        faster paths apply)."""
+        w = self.sliding_window
+        return w if w is not None and max(seq_lens, default=0) > w else None
+
+
+GLOBAL_ATTENTION = LayerAttention()
+
+
 class AttentionBackend(ABC):
     """Computes attention for a flattened batch against a paged KV cache.
 
@@ -76,7 +114,8 @@ class AttentionBackend(ABC):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        layer: LayerAttention = GLOBAL_ATTENTION,
     ) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] (new tokens, rotary applied);
-        k_cache/v_cache [num_blocks, block_size, Hkv, D], updated in place.
-        Returns [T, Hq, D]."""
+        k_cache/v_cache [num_blocks, block_size, Hkv, D], updated in place;
+        `layer`: this layer's scale and sliding window. Returns [T, Hq, D]."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sluice_server.layers.attention import AttentionBackend, AttentionMetadata
+from sluice_server.layers.attention import GLOBAL_ATTENTION, AttentionBackend, AttentionMetadata
 from sluice_server.layers.ops import CpuOps, TorchOps
 
 
@@ -25,6 +25,17 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> t
     return blocks.view(b, nb * bs, heads, dim)[:, :length].transpose(1, 2)
 
 
+def visible_keys(positions: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor:
+    """[L] query positions -> [L, num_keys] bool: key j is visible to query i
+    when j <= positions[i] (causal) and, with a window W, j > positions[i] - W."""
+    keys = torch.arange(num_keys, device=positions.device).unsqueeze(0)
+    rows = positions.unsqueeze(1)
+    mask = keys <= rows
+    if window is not None:
+        mask &= keys > rows - window
+    return mask
+
+
 class TorchAttention(AttentionBackend):
     """Plain torch (SDPA) attention; the CPU backend and the reference for kernels.
 
@@ -37,6 +48,9 @@ class TorchAttention(AttentionBackend):
     Prefill chunks: one SDPA call per sequence (a step holds few of them);
     causal over the fresh k/v when nothing is cached, otherwise against the
     gathered cache with an explicit mask (query i sees keys <= cached + i).
+
+    Sliding-window layers use the same calls with the window folded into the
+    masks; those masks are built once per step and window, on first use.
     """
 
     name = "torch"
@@ -47,65 +61,84 @@ class TorchAttention(AttentionBackend):
         self.cpu_kernels = cpu_kernels and cpu_kernels_module().load()
         self.ops = CpuOps() if self.cpu_kernels else TorchOps()
 
-    def _use_kernel(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        return self.cpu_kernels and q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.float32
+    def _use_kernel(self, q: torch.Tensor, k_cache: torch.Tensor, window: int | None) -> bool:
+        # The C++ decode kernel attends to the whole context.
+        return (
+            self.cpu_kernels and window is None and q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.float32
+        )
 
     def prepare(self, meta: AttentionMetadata) -> None:
+        meta.backend_state["torch"] = {None: self._plan(meta, None)}
+
+    def _state(self, meta: AttentionMetadata, window: int | None) -> dict:
+        plans = meta.backend_state["torch"]
+        if window not in plans:
+            plans[window] = self._plan(meta, window)
+        return plans[window]
+
+    def _plan(self, meta: AttentionMetadata, window: int | None) -> dict:
+        """The step's decode tables/mask and per-prefill (start, q_len,
+        seq_len, block tables or None for fresh k/v, mask or None for causal)."""
         nd = meta.num_decodes
-        state = meta.backend_state
+        state: dict = {}
         if nd:
             lens = meta.seq_lens[:nd]
             max_len = max(meta.seq_lens_list[:nd])
             nb = -(-max_len // meta.block_size)
             state["decode_tables"] = meta.block_tables[:nd, :nb]
             state["decode_len"] = max_len
-            keys = torch.arange(max_len, device=lens.device)
-            state["decode_mask"] = (keys < lens.unsqueeze(1)).view(nd, 1, 1, max_len)
+            state["decode_mask"] = visible_keys(lens - 1, max_len, window).view(nd, 1, 1, max_len)
         prefills = []
         start = nd
         for s in range(nd, len(meta.query_lens_list)):
             q_len, seq_len = meta.query_lens_list[s], meta.seq_lens_list[s]
             cached = seq_len - q_len
+            positions = torch.arange(cached, seq_len, device=meta.seq_lens.device)
             if cached == 0:
-                prefills.append((start, q_len, seq_len, None, None))
-                start += q_len
-                continue
-            nb = -(-seq_len // meta.block_size)
-            rows = torch.arange(q_len, device=meta.seq_lens.device).unsqueeze(1) + cached
-            mask = torch.arange(seq_len, device=rows.device).unsqueeze(0) <= rows
-            prefills.append((start, q_len, seq_len, meta.block_tables[s : s + 1, :nb], mask))
+                # Fresh k/v: plain causal unless the window hides some of them.
+                mask = visible_keys(positions, q_len, window) if window is not None and q_len > window else None
+                prefills.append((start, q_len, seq_len, None, mask))
+            else:
+                nb = -(-seq_len // meta.block_size)
+                mask = visible_keys(positions, seq_len, window)
+                prefills.append((start, q_len, seq_len, meta.block_tables[s : s + 1, :nb], mask))
             start += q_len
         state["prefills"] = prefills
+        return state
 
-    def forward(self, q, k, v, k_cache, v_cache, meta):
+    def forward(self, q, k, v, k_cache, v_cache, meta, layer=GLOBAL_ATTENTION):
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        state = meta.backend_state
+        window = layer.window_for(meta.seq_lens_list)
+        state = self._state(meta, window)
         num_q_heads, dim = q.shape[1], q.shape[2]
+        scale = layer.scale  # None: SDPA's default 1/sqrt(D)
         num_kv_heads = k.shape[1]
         group = num_q_heads // num_kv_heads
         out = torch.empty_like(q)
         nd = meta.num_decodes
-        if nd and self._use_kernel(q, k_cache):
+        if nd and self._use_kernel(q, k_cache, window):
             cpu_kernels_module().paged_decode_attention(
-                out[:nd], q[:nd], k_cache, v_cache, state["decode_tables"], meta.seq_lens[:nd], dim**-0.5
+                out[:nd], q[:nd], k_cache, v_cache, state["decode_tables"], meta.seq_lens[:nd],
+                dim**-0.5 if scale is None else scale,
             )
         elif nd:
             tables, length = state["decode_tables"], state["decode_len"]
             keys = gather_kv(k_cache, tables, length).to(q.dtype)
             values = gather_kv(v_cache, tables, length).to(q.dtype)
             queries = q[:nd].view(nd, num_kv_heads, group, dim)
-            o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=state["decode_mask"])
+            o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=state["decode_mask"], scale=scale)
             out[:nd] = o.reshape(nd, num_q_heads, dim)
         for start, q_len, seq_len, tables, mask in state["prefills"]:
             end = start + q_len
             queries = q[start:end].transpose(0, 1)
             if tables is None:
                 keys, values = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
-                o = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=group > 1)
             else:
                 keys = gather_kv(k_cache, tables, seq_len)[0].to(q.dtype)
                 values = gather_kv(v_cache, tables, seq_len)[0].to(q.dtype)
-                o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=group > 1)
+            o = F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=group > 1
+            )
             out[start:end] = o.transpose(0, 1)
         return out
 

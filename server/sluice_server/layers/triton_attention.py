@@ -14,7 +14,7 @@ import torch
 
 from sluice_server.kernels.paged_attention import AttentionPlan, paged_attention, plan_attention
 from sluice_server.kernels.reshape_and_cache import reshape_and_cache
-from sluice_server.layers.attention import AttentionBackend, AttentionMetadata
+from sluice_server.layers.attention import GLOBAL_ATTENTION, AttentionBackend, AttentionMetadata
 from sluice_server.layers.ops import TritonOps
 
 
@@ -42,11 +42,12 @@ class TritonAttention(AttentionBackend):
             )
         return plans[key]
 
-    def forward(self, q, k, v, k_cache, v_cache, meta):
+    def forward(self, q, k, v, k_cache, v_cache, meta, layer=GLOBAL_ATTENTION):
         if k_cache.shape[1] != meta.block_size:
             raise ValueError(f"cache block size {k_cache.shape[1]} != batch block size {meta.block_size}")
         reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         plan = self._plan(meta, q.shape[1], k.shape[1], q.device)
         return paged_attention(
-            q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, plan
+            q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, plan,
+            scale=layer.scale, window=layer.window_for(meta.seq_lens_list),
         )
