@@ -13,7 +13,7 @@ from sluice_server.models import model_class
 from conftest import Driver, make_tiny_model, reference_logits
 
 ATOL = 1e-4
-KINDS = ["llama", "qwen2", "tied", "mha", "llama3", "mistral"]
+KINDS = ["llama", "qwen2", "tied", "mha", "llama3", "mistral", "qwen3", "gemma3", "phi3"]
 
 
 def prompt(length: int, seed: int) -> list[int]:
@@ -102,7 +102,7 @@ def test_mixed_batch(model):
 
 
 def test_unsupported_model_type_names_supported():
-    with pytest.raises(ValueError, match="supported: llama, mistral, qwen2"):
+    with pytest.raises(ValueError, match="supported: gemma3_text, llama, mistral, phi3, qwen2, qwen3"):
         model_class("gpt2")
 
 

@@ -1,4 +1,5 @@
-"""RMSNorm as in Llama: normalize in float32, scale in the model dtype.
+"""RMSNorm as in Llama: normalize in float32, scale in the model dtype; and
+Gemma's (1 + w) variant.
 
 The arithmetic is the backend's (`layers.ops`): eager torch, or one fused
 Triton kernel that also adds the residual.
@@ -28,3 +29,15 @@ class RMSNorm(nn.Module):
         With `residual` None the sum is just `x`.
         """
         return self.ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+class OnePlusRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the checkpoint's weight w (initialised at 0) scales by
+    1 + w, and the whole computation stays in float32 until the end."""
+
+    def __init__(self, hidden_size: int, eps: float, ops: TorchOps | None = None):
+        super().__init__(hidden_size, eps, ops)
+        self.weight.data.zero_()
+
+    def forward(self, x, residual=None):
+        return self.ops.rms_norm_one_plus(x, self.weight, self.eps, residual)

@@ -70,6 +70,25 @@ class TorchOps:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    # Gemma's variants. No fused kernel yet: every backend runs these in torch.
+
+    def rms_norm_one_plus(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gemma's RMSNorm, whose checkpoint weight w scales by (1 + w):
+        (norm(x + residual) * (1 + w), x + residual), computed in float32 and
+        rounded to x's dtype once (as transformers' Gemma 3)."""
+        if residual is not None:
+            x = x + residual
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return (normed * (1.0 + weight.float())).to(x.dtype), x
+
+    def gelu_tanh_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, 2I] (gate | up) -> gelu_tanh(gate) * up, [T, I] (GeGLU)."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
 
 def _cpu_f32(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)

@@ -7,6 +7,16 @@ pair (x1[i], x2[i]) by angle p * inv_freq[i]:
 
 cos/sin are computed once per step for the step's positions (T x D floats,
 cheap) and shared by every layer, so there is no cache to size.
+
+Scaled variants (`rope_type`), as transformers computes them:
+
+    default    inv_freq[i] = theta^(-2i/D)
+    linear     inv_freq / factor                       (Gemma 3's global layers)
+    llama3     long wavelengths stretched by factor    (Llama 3.1+)
+    longrope   inv_freq / ext[i], cos/sin x mscale     (Phi-3 "su"/"longrope")
+
+A partial_rotary_factor f < 1 rotates only the first f*D dims of each head
+(Phi-4-mini); the tables then have f*D/2 columns.
 """
 
 from __future__ import annotations
@@ -19,26 +29,53 @@ import torch
 from sluice_server.layers.ops import RotaryTables, rotary_tables
 
 
-def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+
+
+def rope_parameters(config: dict[str, Any], params: dict[str, Any] | None = None) -> dict[str, Any]:
     """The rope settings of a config.json, old (rope_theta + rope_scaling) or new
     (rope_parameters) transformers layout, as one dict with at least rope_theta
-    and rope_type."""
-    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    and rope_type. `params` overrides where they come from (Gemma 3 keeps one
+    dict per layer type).
+
+    LongRoPE also needs the context lengths: `original_max_position_embeddings`
+    (Phi-3 keeps it at the top level, which then wins, as in transformers) and
+    `max_position_embeddings`."""
+    if params is None:
+        params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    params = dict(params)
     params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    params["rope_type"] = rope_type
+    params["rope_type"] = "longrope" if rope_type == "su" else rope_type
+    if "partial_rotary_factor" in config:
+        params.setdefault("partial_rotary_factor", config["partial_rotary_factor"])
+    if params["rope_type"] == "longrope":
+        if config.get("original_max_position_embeddings"):
+            params["original_max_position_embeddings"] = config["original_max_position_embeddings"]
+        params.setdefault("original_max_position_embeddings", config["max_position_embeddings"])
+        params.setdefault("max_position_embeddings", config["max_position_embeddings"])
     return params
 
 
-def inverse_frequencies(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
-    """inv_freq[i] = theta^(-2i/D), rescaled for rope_type llama3. float32 [D/2]."""
+def rotary_dim(head_dim: int, params: dict[str, Any]) -> int:
+    """How many leading dims of a head are rotated."""
+    return int(head_dim * params.get("partial_rotary_factor", 1.0))
+
+
+def inverse_frequencies(dim: int, params: dict[str, Any]) -> torch.Tensor:
+    """inv_freq[i] = theta^(-2i/dim), rescaled per rope_type. float32 [dim/2]."""
     base = float(params["rope_theta"])
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     rope_type = params["rope_type"]
+    if rope_type == "longrope":
+        return 1.0 / (torch.tensor(longrope_factors(params), dtype=torch.float32) * base**exponents)
+    inv_freq = 1.0 / (base**exponents)
     if rope_type == "default":
         return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(params["factor"])
     if rope_type != "llama3":
-        raise ValueError(f"rope_type {rope_type!r} is not supported (supported: default, llama3)")
+        raise ValueError(f"rope_type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
     # Llama 3.1: wavelengths longer than the original context are stretched by
     # `factor`, short ones kept, and the band between interpolated smoothly.
     factor = float(params["factor"])
@@ -53,9 +90,36 @@ def inverse_frequencies(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def longrope_factors(params: dict[str, Any]) -> list[float]:
+    """LongRoPE's per-frequency divisors: `long_factor` when the model serves
+    contexts past its pretraining length, else `short_factor`.
+
+    transformers picks them per forward call from the longest position in it,
+    which a server cannot do: keys in the cache were rotated by earlier steps,
+    and one sequence would mix both. So the choice is made once, from the
+    served context (max_position_embeddings): a long-context checkpoint
+    (Phi-3-*-128k) always runs its long factors, equal to transformers on any
+    sequence longer than original_max_position_embeddings."""
+    long = params["max_position_embeddings"] > params["original_max_position_embeddings"]
+    return [float(f) for f in params["long_factor" if long else "short_factor"]]
+
+
+def attention_scaling(params: dict[str, Any]) -> float:
+    """The factor LongRoPE multiplies cos/sin by (1 for the other types)."""
+    if params["rope_type"] != "longrope":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or params["max_position_embeddings"] / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
 class RotaryEmbedding:
     def __init__(self, head_dim: int, params: dict[str, Any], device: torch.device):
-        self.inv_freq = inverse_frequencies(head_dim, params).to(device)
+        self.dim = rotary_dim(head_dim, params)
+        self.inv_freq = inverse_frequencies(self.dim, params).to(device)
+        self.scaling = attention_scaling(params)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] int64 -> (cos, sin), each [T, 1, D] in `dtype`."""
@@ -64,8 +128,12 @@ class RotaryEmbedding:
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def tables(self, positions: torch.Tensor) -> RotaryTables:
-        """The step's cos/sin for `ops.rotary_` (float32 [T, D/2])."""
-        return rotary_tables(positions, self.inv_freq)
+        """The step's cos/sin for `ops.rotary_` (float32 [T, dim/2])."""
+        tables = rotary_tables(positions, self.inv_freq)
+        if self.scaling != 1.0:
+            tables.cos.mul_(self.scaling)
+            tables.sin.mul_(self.scaling)
+        return tables
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,13 @@
 `load_weights(model, folder)` copies every safetensors tensor into its
 parameter through the parameter's `weight_loader`, which takes only this
 rank's tensor-parallel slice.
+
+    model_type          file                 what it adds
+    llama, mistral,     models/llama.py      (the base: GQA, rotary, SwiGLU;
+    qwen2                                     per-layer sliding windows)
+    qwen3               models/qwen3.py      per-head q/k RMSNorm
+    phi3                models/phi3.py       fused checkpoint tensors, LongRoPE
+    gemma3_text         models/gemma3.py     (1 + w) norms, GELU, local/global layers
 """
 
 from __future__ import annotations
@@ -18,12 +25,18 @@ from safetensors import safe_open
 
 from sluice_server.distributed import Distributed
 from sluice_server.layers.attention import AttentionBackend
+from sluice_server.models.gemma3 import Gemma3ForCausalLM
 from sluice_server.models.llama import LlamaForCausalLM
+from sluice_server.models.phi3 import Phi3ForCausalLM
+from sluice_server.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_FAMILIES: dict[str, type[nn.Module]] = {
+    "gemma3_text": Gemma3ForCausalLM,
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
+    "phi3": Phi3ForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
 }
 
 
@@ -69,6 +82,38 @@ def _target(model: nn.Module, name: str) -> tuple[str, int]:
     return name, 0
 
 
+class RowRange:
+    """Rows [start, end) of a safetensors slice, read like a slice itself:
+    what a weight loader gets for one piece of a fused checkpoint tensor."""
+
+    def __init__(self, tensor_slice, start: int, end: int):
+        self.tensor_slice, self.start, self.end = tensor_slice, start, end
+
+    def get_shape(self) -> list[int]:
+        return [self.end - self.start, *self.tensor_slice.get_shape()[1:]]
+
+    def __getitem__(self, key) -> torch.Tensor:
+        rows, rest = (key[0], key[1:]) if isinstance(key, tuple) else (key, ())
+        first, last, step = rows.indices(self.end - self.start)
+        if step != 1:
+            raise ValueError("a fused checkpoint piece is read in contiguous rows only")
+        return self.tensor_slice[(slice(self.start + first, self.start + last), *rest)]
+
+
+def _pieces(model: nn.Module, target: str, tensor_slice) -> list[tuple[object, int]]:
+    """(what to load, piece index) for one checkpoint tensor: itself, or, for a
+    tensor the checkpoint stores fused the way our layer is (Phi-3's qkv_proj),
+    each piece's rows."""
+    parts = target.split(".")
+    if len(parts) < 2 or parts[-2] not in getattr(model, "fused_checkpoint_tensors", ()):
+        return [(tensor_slice, 0)]
+    sizes = model.get_submodule(".".join(parts[:-1])).output_sizes
+    starts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    if tensor_slice.get_shape()[0] != starts[-1]:
+        raise ValueError(f"checkpoint tensor {target!r} has {tensor_slice.get_shape()[0]} rows, expected {starts[-1]}")
+    return [(RowRange(tensor_slice, starts[i], starts[i + 1]), i) for i in range(len(sizes))]
+
+
 def load_weights(model: nn.Module, folder: Path) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = getattr(model.config, "tie_word_embeddings", False)
@@ -84,8 +129,9 @@ def load_weights(model: nn.Module, folder: Path) -> None:
                 if target not in params:
                     raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(model).__name__}")
                 param = params[target]
-                param.weight_loader(param, f.get_slice(name), shard_id)
-                loaded.setdefault(target, set()).add(shard_id)
+                for piece, piece_id in _pieces(model, target, f.get_slice(name)):
+                    param.weight_loader(param, piece, shard_id + piece_id)
+                    loaded.setdefault(target, set()).add(shard_id + piece_id)
     if tied:
         loaded["lm_head.weight"] = {0}
     missing = [n for n, k in pieces_needed.items() if len(loaded.get(n, ())) != k]

@@ -8,11 +8,15 @@
 
 Differences between the members are configuration only: Qwen2 has q/k/v
 biases, Llama 3.1 scales rotary frequencies (rope_type llama3), SmolLM2 ties
-the LM head to the embedding, and all use grouped-query attention.
+the LM head to the embedding, and all use grouped-query attention. Mistral
+(v0.1) attends over a sliding window in every layer, Qwen2 in the layers its
+`use_sliding_window` / `max_window_layers` (or `layer_types`) name; the window
+is a property of each layer's attention (`LayerAttention`), applied by the
+attention backend.
 
-Not implemented: sliding-window attention (Mistral v0.1's `sliding_window`,
-Qwen2's `use_sliding_window`). Every token attends to its whole context, which
-is the same computation while sequences stay within the window.
+Variants whose layers differ in a few lines subclass the pieces here:
+Qwen3 (models/qwen3.py: per-head q/k norms) and Phi-3 (models/phi3.py: fused
+checkpoint tensors, LongRoPE, partial rotary).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch
 from torch import nn
 
 from sluice_server.distributed import Distributed, shard_range
-from sluice_server.layers.attention import AttentionBackend, AttentionMetadata
+from sluice_server.layers.attention import AttentionBackend, AttentionMetadata, LayerAttention
 from sluice_server.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from sluice_server.layers.linear import ColumnParallelLinear, RowParallelLinear
 from sluice_server.layers.norm import RMSNorm
@@ -49,11 +53,16 @@ class LlamaConfig:
     o_bias: bool
     mlp_bias: bool
     rope: dict[str, Any]
+    # Per layer: its sliding window, or None for global attention.
+    sliding_windows: tuple[int | None, ...]
 
     @classmethod
     def from_dict(cls, c: dict[str, Any]) -> "LlamaConfig":
         if c.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {c['hidden_act']!r} is not supported (only silu)")
+        rope = rope_parameters(c)
+        if rope.get("partial_rotary_factor", 1.0) != 1.0 and c["model_type"] != "phi3":
+            raise ValueError(f"partial_rotary_factor is not supported for {c['model_type']}")
         heads = c["num_attention_heads"]
         # Llama/Mistral: attention_bias covers q, k, v and o; Qwen2: q, k, v only.
         qwen = c["model_type"] == "qwen2"
@@ -73,8 +82,32 @@ class LlamaConfig:
             qkv_bias=qwen or attention_bias,
             o_bias=attention_bias and not qwen,
             mlp_bias=bool(c.get("mlp_bias", False)),
-            rope=rope_parameters(c),
+            rope=rope,
+            sliding_windows=sliding_windows(c),
         )
+
+
+def sliding_windows(c: dict[str, Any]) -> tuple[int | None, ...]:
+    """Each layer's sliding window, as transformers reads these configs:
+
+        mistral, phi3   every layer, when `sliding_window` is set
+        qwen2, qwen3    only with `use_sliding_window`: the layers `layer_types`
+                        marks "sliding_attention", else those >= max_window_layers
+        llama           none
+    """
+    n = c["num_hidden_layers"]
+    window = c.get("sliding_window")
+    family = c["model_type"]
+    if family in ("qwen2", "qwen3") and not c.get("use_sliding_window", False):
+        window = None
+    if window is None or family not in ("mistral", "phi3", "qwen2", "qwen3"):
+        return (None,) * n
+    if family in ("mistral", "phi3"):
+        return (int(window),) * n
+    types = c.get("layer_types") or [
+        "sliding_attention" if i >= c.get("max_window_layers", 28) else "full_attention" for i in range(n)
+    ]
+    return tuple(int(window) if t == "sliding_attention" else None for t in types)
 
 
 def check_tensor_parallel(cfg: LlamaConfig, world_size: int) -> None:
@@ -113,9 +146,10 @@ def kv_head_range(cfg: LlamaConfig, dist: Distributed) -> tuple[int, int]:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, dist: Distributed, backend: AttentionBackend):
+    def __init__(self, cfg: LlamaConfig, dist: Distributed, backend: AttentionBackend, index: int):
         super().__init__()
         check_tensor_parallel(cfg, dist.world_size)
+        self.layer = LayerAttention(sliding_window=cfg.sliding_windows[index])
         self.num_heads = cfg.num_attention_heads // dist.world_size
         first_kv, last_kv = kv_head_range(cfg, dist)
         self.num_kv_heads = last_kv - first_kv
@@ -135,29 +169,38 @@ class LlamaAttention(nn.Module):
         t, d = x.shape[0], self.head_dim
         q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
         q, k, v = q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d), v.view(t, self.num_kv_heads, d)
-        self.backend.ops.rotary_(q, k, rotary)  # in place, on views of the qkv output
-        o = self.backend.forward(q, k, v, k_cache, v_cache, meta)
+        q, k = self.position_encode(q, k, rotary)
+        o = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.layer)
         return self.o_proj(o.view(t, self.num_heads * d))
+
+    def position_encode(self, q: torch.Tensor, k: torch.Tensor, rotary: RotaryTables):
+        """q [T, Hq, D], k [T, Hkv, D] -> the same, rotated (in place, on views of the qkv output)."""
+        self.backend.ops.rotary_(q, k, rotary)
+        return q, k
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig, dist: Distributed, backend: AttentionBackend):
+    """down(act(gate(x)) * up(x)); `activation` names the fused op of
+    `backend.ops`: silu_mul (SwiGLU), or gelu_tanh_mul (Gemma's GeGLU)."""
+
+    def __init__(self, cfg: LlamaConfig, dist: Distributed, backend: AttentionBackend, activation: str = "silu_mul"):
         super().__init__()
         self.ops = backend.ops
+        self.act_mul = getattr(backend.ops, activation)
         size = cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [size, size], bias=cfg.mlp_bias, dist=dist)
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, bias=cfg.mlp_bias, dist=dist)
 
     def forward(self, x):
-        # gate_up's local rows are [gate[rank] | up[rank]], what silu_mul expects.
-        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
+        # gate_up's local rows are [gate[rank] | up[rank]], what act_mul expects.
+        return self.down_proj(self.act_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, dist: Distributed, backend: AttentionBackend):
+    def __init__(self, cfg: LlamaConfig, dist: Distributed, backend: AttentionBackend, index: int, attention_cls):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.ops)
-        self.self_attn = LlamaAttention(cfg, dist, backend)
+        self.self_attn = attention_cls(cfg, dist, backend, index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.ops)
         self.mlp = LlamaMLP(cfg, dist, backend)
 
@@ -169,10 +212,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: LlamaConfig, dist: Distributed, backend: AttentionBackend):
+    def __init__(self, cfg: LlamaConfig, dist: Distributed, backend: AttentionBackend, attention_cls):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dist)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dist, backend) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, dist, backend, i, attention_cls) for i in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.ops)
 
 
@@ -187,6 +232,8 @@ class LlamaForCausalLM(nn.Module):
     }
     # Checkpoint tensors with no parameter here (buffers some exporters save).
     ignored_suffixes = ("rotary_emb.inv_freq",)
+    # What a variant changes (models/qwen3.py, models/phi3.py).
+    attention_cls = LlamaAttention
 
     def __init__(self, config: dict[str, Any], dist: Distributed, backend: AttentionBackend):
         super().__init__()
@@ -194,7 +241,7 @@ class LlamaForCausalLM(nn.Module):
         check_tensor_parallel(cfg, dist.world_size)
         first_kv, last_kv = kv_head_range(cfg, dist)
         self.num_local_kv_heads = last_kv - first_kv
-        self.model = LlamaModel(cfg, dist, backend)
+        self.model = LlamaModel(cfg, dist, backend, self.attention_cls)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dist)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
