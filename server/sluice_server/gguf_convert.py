@@ -18,10 +18,13 @@ replaced file converts again while an unchanged one is reused. The folder
 is built under a temporary name and renamed into place: a folder that
 exists is complete.
 
-Before transformers reads it, `check_gguf_file` refuses, in one sentence
-naming the file, what would otherwise fail deep inside the reader: a file
-that is not GGUF (magic), one cut short (a tensor ends past the end of the
-file), and a tensor type that cannot be dequantized.
+Before transformers reads it, `check_gguf_file` reads the header
+(gguf_header.py: a second or so, where transformers' reader takes minutes
+on a large vocabulary) and refuses, in one sentence naming the file, what
+Sluice cannot serve or what would otherwise fail deep inside the reader: a
+file that is not GGUF (magic), one cut short (a tensor ends past the end of
+the file), an architecture no model family serves, and a tensor type the
+conversion does not dequantize. Nothing is written then.
 """
 
 from __future__ import annotations
@@ -34,11 +37,33 @@ import shutil
 import sys
 from pathlib import Path
 
+from sluice_server.gguf_header import GGML_QUANT_SIZES, GGUFFormatError, GGUFHeader, read_header
 from sluice_server.model_folder import SOURCE_FILE, ModelResolutionError, check_model_folder, progress
 
 
 # Part of the folder key: a change to what a converted folder holds converts again.
 FORMAT_VERSION = 2
+
+# GGUF `general.architecture` -> the model_type transformers writes for it
+# (each one of models.MODEL_FAMILIES). llama.cpp files most Mistral models
+# under "llama" (without their sliding window, which GGUF does not record).
+GGUF_ARCHITECTURES = {
+    "gemma3": "gemma3_text",
+    "llama": "llama",
+    "mistral": "mistral",
+    "phi3": "phi3",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+}
+# Tensor types the conversion expands to float32, exactly as the gguf
+# package's dequantizer does (transformers calls it): the float types, the
+# legacy and K-quant blocks of the Q*_K_M/Q*_K_S/Q8_0 files, and the i-quants.
+GGUF_TENSOR_TYPES = (
+    "F32", "F16", "BF16",
+    "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+    "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS",
+)
 
 
 def converted_folder(gguf_path: Path, cache: Path) -> Path:
@@ -51,41 +76,37 @@ def converted_folder(gguf_path: Path, cache: Path) -> Path:
     return cache / f"{resolved.stem}-{key}"
 
 
-def check_gguf_file(path: Path) -> None:
-    """Raises ModelResolutionError unless `path` is a whole GGUF file whose
-    tensors all have a type the gguf package dequantizes."""
-    import numpy as np
-    from gguf import GGML_QUANT_SIZES, GGUFReader
-    from gguf.quants import dequantize
-
+def check_gguf_file(path: Path) -> GGUFHeader:
+    """The file's header, if Sluice can serve the file; otherwise one
+    ModelResolutionError naming the file and, for what Sluice does not
+    serve, what it does."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
         raise ModelResolutionError(f"{path.name} is not a GGUF file: it starts with {magic!r}, not b'GGUF'")
     try:
-        tensors = GGUFReader(str(path)).tensors
-    except Exception as e:  # the reader fails in many ways on a damaged header
+        header = read_header(path)
+    except GGUFFormatError as e:
+        raise ModelResolutionError(f"{path.name} is damaged or cut short: its header cannot be read ({e})") from None
+    arch = header.architecture
+    if arch not in GGUF_ARCHITECTURES:
         raise ModelResolutionError(
-            f"{path.name} is damaged or cut short: its header cannot be read ({type(e).__name__}: {e})"
-        ) from e
-    checked = set()
-    for t in tensors:
-        end = int(t.data_offset) + int(t.n_bytes)
+            f"{path.name}: GGUF architecture {arch!r} is not supported; "
+            f"supported: {', '.join(sorted(GGUF_ARCHITECTURES))}"
+        )
+    for t in header.tensors:
+        if t.type_name not in GGUF_TENSOR_TYPES:
+            raise ModelResolutionError(
+                f"{path.name}: tensor {t.name} is of type {t.type_name}, which cannot be dequantized; "
+                f"supported: {', '.join(GGUF_TENSOR_TYPES)}"
+            )
+        end = t.offset + t.nbytes
         if end > size:
             raise ModelResolutionError(
                 f"{path.name} is cut short: tensor {t.name} ends at byte {end}, but the file has {size} bytes"
             )
-        if t.tensor_type in checked:
-            continue
-        block_bytes = GGML_QUANT_SIZES[t.tensor_type][1]
-        try:
-            dequantize(np.zeros((1, block_bytes), dtype=np.uint8), t.tensor_type)
-        except NotImplementedError:
-            raise ModelResolutionError(
-                f"{path.name}: tensor {t.name} is of type {t.tensor_type.name}, which cannot be dequantized"
-            ) from None
-        checked.add(t.tensor_type)
+    return header
 
 
 def convert_gguf(gguf_path: Path, cache: Path) -> Path:
