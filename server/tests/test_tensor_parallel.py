@@ -91,6 +91,30 @@ def test_tiny_models_agree_over_1_2_3_shards(tmp_path, name):
     assert len(set(runs[1][0]["tokens"][2])) > 1  # the sampled request really sampled
 
 
+# The other families over every shard count (up to 3) their head counts
+# allow; the 10-token prompt is longer than the 8-token sliding windows
+# (Phi-3's is 16; its LongRoPE runs the long factors past 8 positions).
+FAMILIES = {
+    "qwen3": (dict(num_attention_heads=4, num_key_value_heads=2), (2,)),
+    "gemma3": (dict(num_attention_heads=4, num_key_value_heads=1), (2,)),
+    "phi3": (dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=96), (3,)),
+    "mistral": (dict(num_attention_heads=6, num_key_value_heads=2, hidden_size=96), (2,)),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(FAMILIES))
+def test_other_families_agree_over_shards(tmp_path, kind):
+    spec, world_sizes = FAMILIES[kind]
+    model_dir = make_tiny_model(tmp_path / "model", kind, seed=5, **spec)
+    want = reference_logits(model_dir, TOKENS)
+    single = run_ranks(model_dir, tmp_path / "tp1", 1)[0]
+    torch.testing.assert_close(single["logits"], want, atol=1e-4, rtol=0)
+    for n in world_sizes:
+        for r in run_ranks(model_dir, tmp_path / f"tp{n}", n):
+            torch.testing.assert_close(r["logits"], single["logits"], atol=2e-5, rtol=0)
+            assert r["tokens"] == single["tokens"]
+
+
 def test_smollm2_agrees_over_1_and_3_shards(tmp_path, smollm2_dir):
     """SmolLM2-135M: 9 query / 3 key-value heads split over 3 shards (2 does
     not divide 9: see test_uneven_split_is_a_clear_error)."""
