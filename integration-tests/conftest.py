@@ -38,6 +38,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def is_alive(pid: int) -> bool:
+    """The process exists and is not a zombie (one waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_gone(pids: list[int], timeout: float = 60) -> list[int]:
+    """Waits until none of `pids` is alive; returns those still alive after
+    `timeout` (a generous bound: only a leak, not a slow machine, reaches it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [pid for pid in pids if is_alive(pid)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
 def find_executable(name: str) -> str:
     env = os.environ.get(f"SLUICE_{name.split('-')[1].upper()}_BIN")
     if env:
@@ -58,6 +78,11 @@ class Launcher:
     port: int
     uds_path: str
     lines: deque = field(default_factory=lambda: deque(maxlen=2000))
+    # The first lines (startup: model loading, kernels, warmup), kept whole
+    # however much the server logs later.
+    head: list = field(default_factory=list)
+    # Set when the launcher's output reached its end (the pipe closed).
+    output_ended: threading.Event = field(default_factory=threading.Event)
 
     def output(self) -> str:
         return "\n".join(self.lines)
@@ -112,6 +137,9 @@ def start_launcher(*args: str, env: dict | None = None, wait_ready: bool = True,
         assert proc.stdout is not None
         for line in proc.stdout:
             launcher.lines.append(line.rstrip("\n"))
+            if len(launcher.head) < 1000:
+                launcher.head.append(line.rstrip("\n"))
+        launcher.output_ended.set()
 
     threading.Thread(target=pump, daemon=True).start()
     if wait_ready:

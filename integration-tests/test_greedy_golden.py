@@ -1,4 +1,8 @@
-"""Greedy generation through HTTP equals transformers' on the same folder."""
+"""Greedy generation through HTTP equals transformers' on the same folder,
+served by the default CPU path (C++ kernels, GGUF blocks), not a fallback."""
+
+import json
+import re
 
 import httpx
 import pytest
@@ -45,3 +49,19 @@ def test_greedy_matches_transformers(launcher, reference, model_dir, prompt):
         out = reference.generate(torch.tensor([input_ids]), generation_config=config, attention_mask=torch.ones(1, len(input_ids), dtype=torch.long))
     expected = out[0, len(input_ids):].tolist()
     assert served == expected
+
+
+def test_served_by_the_cpu_kernels_and_gguf_blocks(launcher, model_dir):
+    """The path that served the tokens above is the default CPU one: the C++
+    kernels loaded and every linear layer (4 per block, plus the output
+    head) runs decodes on the GGUF's blocks. A shard that fell back to plain
+    torch would serve the same tokens; its startup lines tell them apart."""
+    info = httpx.get(f"{launcher.base_url}/info", timeout=30).json()
+    if info["model_device_type"] != "cpu":
+        pytest.skip(f"the CPU path is checked on CPU; this shard runs on {info['model_device_type']}")
+    assert info["model_dtype"] == "float32"
+    startup = "\n".join(launcher.head)
+    assert "CPU kernels loaded" in startup, startup
+    blocks = re.search(r"(\d+) run GGUF blocks", startup)
+    layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    assert blocks and int(blocks.group(1)) == 4 * layers + 1, startup
