@@ -8,7 +8,6 @@ TraceService on a grpcio server, loopback port) and points the launcher at it.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -192,40 +191,39 @@ def mkdir(path: Path) -> Path:
     return path
 
 
-def timed_requests(server, count: int) -> float:
-    model = served_model(server)
-    chat(server, model, max_tokens=4)  # warm the path
-    start = time.perf_counter()
-    for _ in range(count):
-        assert chat(server, model, max_tokens=8)["usage"]["completion_tokens"] == 8
-    return (time.perf_counter() - start) / count
+def wait_for_output(server, needle: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while needle not in server.output():
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {needle!r} in the launcher's output after {timeout}s:\n{server.output()}")
+        time.sleep(0.2)
 
 
-def test_collector_down_costs_nothing(tiny_model_dir, tmp_path):
+def test_collector_down_is_logged_once_and_serving_goes_on(tiny_model_dir, tmp_path):
+    """With nothing listening at the OTLP endpoint every request is served,
+    and each process says so exactly once however many exports fail. (What
+    a dead collector costs in latency is measured, not asserted:
+    benchmarks/tracing_overhead.sh.)"""
     closed = free_port()  # nothing listens there
     down = start_launcher("--model-id", str(tiny_model_dir), "--otlp-endpoint", f"http://127.0.0.1:{closed}",
                           tmp=mkdir(tmp_path / "down"))
     try:
-        with_dead_collector = timed_requests(down, 3)
-        time.sleep(4)  # let the exporters fail (3 s timeout) and say so
+        model = served_model(down)
+        for _ in range(3):
+            assert chat(down, model, max_tokens=8)["usage"]["completion_tokens"] == 8
+        # The router's and the shard's exporters fail (3 s timeout) and say so.
+        wait_for_output(down, "cannot export traces")
+        wait_for_output(down, "trace export problem")
+        # More spans, more failed exports (and one more at shutdown's flush).
+        for _ in range(3):
+            assert chat(down, model, max_tokens=8)["usage"]["completion_tokens"] == 8
+        assert httpx.get(f"{down.base_url}/ready", timeout=30).status_code == 200
     finally:
         down.stop()
     output = down.output()
     assert down.proc.returncode == 0, output
-    # Logged at most once per process, however many batches were dropped.
-    assert output.count("cannot export traces") <= 1, output
-    assert output.count("trace export problem") <= 1, output
-
-    off = start_launcher("--model-id", str(tiny_model_dir), tmp=mkdir(tmp_path / "off"))
-    try:
-        without = timed_requests(off, 3)
-    finally:
-        off.stop()
-    ratio = with_dead_collector / without
-    print(f"\nlatency with the collector down / tracing off: {with_dead_collector * 1e3:.1f} ms / "
-          f"{without * 1e3:.1f} ms = {ratio:.2f}")
-    (Path(os.environ.get("SLUICE_TEST_REPORT_DIR", tmp_path)) / "collector_down_ratio.txt").write_text(f"{ratio:.3f}\n")
-    assert ratio < 3, "a dead collector slowed serving down"  # loose: the machine may be busy
+    assert output.count("cannot export traces") == 1, output
+    assert output.count("trace export problem") == 1, output
 
 
 # --- metrics -------------------------------------------------------------------------------
@@ -250,7 +248,9 @@ def promtool() -> str:
 
 def test_metrics_lint_and_move_by_the_right_amounts(tiny_model_dir, tmp_path):
     launched = time.monotonic()
-    server = start_launcher("--model-id", str(tiny_model_dir), "--hourly-cost", "2.5", tmp=tmp_path)
+    # An hour's window: all of this test's tokens fall in it however slow the machine.
+    server = start_launcher("--model-id", str(tiny_model_dir), "--hourly-cost", "2.5", "--cost-window-secs", "3600",
+                            tmp=tmp_path)
     try:
         model = served_model(server)
         traffic_started = time.monotonic()
@@ -305,9 +305,9 @@ def test_metrics_lint_and_move_by_the_right_amounts(tiny_model_dir, tmp_path):
     assert info["hourly_cost"] == 2.5
     assert after["sluice_hourly_cost_dollars"] == 2.5
     assert 0 < after["sluice_prefix_cache_hit_ratio"] < 1
-    # All 2 + 15 tokens fall in the 60 s window, which covers at most the time
-    # since the launcher started: that bounds dollars per million tokens.
-    assert scraped - traffic_started < 60, "the requests outlasted the cost window"
+    # All 2 + 15 tokens fall in the hour's window, which covers at most the
+    # time since the launcher started: that bounds dollars per million tokens.
+    assert scraped - traffic_started < 3600, "the requests outlasted the cost window"
     most = 2.5 * (scraped - launched) / 3600 / (2 + completion) * 1e6
     assert 0 < after["sluice_cost_dollars_per_million_output_tokens"] <= most
 
@@ -319,11 +319,11 @@ def test_json_output_every_line_is_json(tiny_model_dir, tmp_path):
     server = start_launcher("--model-id", str(tiny_model_dir), "--json-output", tmp=tmp_path)
     try:
         chat(server, served_model(server), max_tokens=3, headers={"traceparent": TRACEPARENT})
-        time.sleep(0.5)
+        wait_for_output(server, "generation finished")
     finally:
         server.proc.send_signal(signal.SIGTERM)
-        server.proc.wait(timeout=60)
-    time.sleep(0.5)  # the pump thread drains the pipe
+        server.proc.wait(timeout=120)
+    assert server.output_ended.wait(60), "the launcher's output never ended"
     lines = list(server.lines)
     assert server.proc.returncode == 0, "\n".join(lines)
     assert len(lines) > 5

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import httpx
 import pytest
 
-from conftest import start_launcher
+from conftest import start_launcher, wait_gone
 from test_greedy_golden import NEW_TOKENS, PROMPTS
 from test_lifecycle import shard_pids, wait_exit
 
@@ -82,20 +81,11 @@ def test_killed_shard_of_two_stops_launcher(tiny_model_dir, tmp_path):
         assert len(shards) == 2, server.output()
         children = server.children()
         os.kill(shards[1], signal.SIGKILL)
-        assert wait_exit(server, 30) != 0
-        time.sleep(0.5)
-        alive = [pid for pid in children if os.path.exists(f"/proc/{pid}") and not is_zombie(pid)]
+        assert wait_exit(server, 120) != 0
+        alive = wait_gone(children)
         assert not alive, f"left running: {alive}\n{server.output()}"
     finally:
         server.stop()
-
-
-def is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 def test_uneven_split_fails_at_startup_with_the_numbers(tiny_model_dir, tmp_path):

@@ -61,6 +61,9 @@ class FakeServer:
     fail_every: every n-th generation request (1-based) answers HTTP 500.
     extra_prompt_tokens: added to usage.prompt_tokens (a tokenizer that
     disagrees with the client's). tokenize: serve TGI's POST /tokenize.
+    hold_until_in_flight: no request gets its first token before this many
+    are in flight at once (a barrier: tests of how many requests a client
+    keeps open wait for an event, not for a lucky overlap in time).
     """
 
     tokenizer: Tokenizer
@@ -75,6 +78,7 @@ class FakeServer:
     cached_tokens: int | None = None  # reported in usage.prompt_tokens_details
     truncate_after: int | None = None  # close the stream after this many tokens, without [DONE]
     api_key: str | None = None  # when set, generation and /v1/models need "Bearer <key>"
+    hold_until_in_flight: int = 0
     received: list = field(default_factory=list)  # (perf_counter, path, body)
     finished: list = field(default_factory=list)  # (perf_counter, body)
     in_flight: int = 0
@@ -103,13 +107,18 @@ class FakeServer:
 
         self._thread = threading.Thread(target=serve, daemon=True)
         self._thread.start()
-        ready.wait(10)
+        assert ready.wait(120), "the fake server did not start"
         return self
 
     def __exit__(self, *exc) -> None:
         asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+
+    def _enough_in_flight(self) -> asyncio.Event:
+        if not hasattr(self, "_barrier"):
+            self._barrier = asyncio.Event()  # created on the server's loop
+        return self._barrier
 
     def generation_requests(self) -> list:
         return [r for r in self.received if r[1] != "/tokenize"]
@@ -155,7 +164,10 @@ class FakeServer:
             return web.json_response({"error": {"message": "injected failure", "type": "server_error"}}, status=500)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        if self.max_in_flight >= self.hold_until_in_flight:
+            self._enough_in_flight().set()
         try:
+            await asyncio.wait_for(self._enough_in_flight().wait(), timeout=120)
             return await self._stream(request, body)
         finally:
             self.in_flight -= 1

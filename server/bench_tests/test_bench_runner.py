@@ -30,7 +30,7 @@ def config(url, **kw) -> BenchConfig:
 
 
 def test_random_run_measures_every_request():
-    with FakeServer(TOK, ttft=0.03, gap=0.01) as server:
+    with FakeServer(TOK, ttft=0.03, gap=0.01, hold_until_in_flight=2) as server:
         r = run_benchmark_sync(config(server.url, concurrency=2, tokenizer=None))
         bodies = [b for _, _, b in server.generation_requests()]
     s = r.summary
@@ -39,13 +39,18 @@ def test_random_run_measures_every_request():
     assert s["prompt_length_mismatches"] == {"checked": 6, "mismatched": 0, "examples": []}
     assert s["total_input_tokens"] == 6 * 32
     assert server.max_in_flight == 2
-    # timings come from the stream: TTFT >= the server's delay, gaps >= its gap
-    assert s["ttft_ms"]["min"] >= 30.0 and s["ttft_ms"]["median"] < 300.0
-    # (one gap can look short when the chunk before it was delayed in transit;
-    # their mean cannot)
-    assert s["itl_ms"]["mean"] >= 8.0 and s["itl_ms"]["n"] == 6 * 4
-    assert s["tpot_ms"]["min"] >= 9.0
+    # Timings come from the stream. Lower bounds only, which hold however busy
+    # the machine: the server waits 30 ms before the first token and 10 ms
+    # before each of the 4 others, and a chunk cannot arrive before it is
+    # sent (it can arrive late, and then the gap after it looks short).
+    assert s["ttft_ms"]["min"] >= 30.0
     assert s["e2el_ms"]["min"] >= 30.0 + 4 * 10.0
+    assert s["itl_ms"]["n"] == 6 * 4
+    # The definitions: ttft + the gaps = e2el; tpot = (e2el - ttft) / (n - 1).
+    for rec in r.records:
+        assert len(rec.itl) == rec.output_tokens - 1 == 4
+        assert rec.ttft + sum(rec.itl) == pytest.approx(rec.e2el, abs=1e-9)
+        assert rec.tpot == pytest.approx((rec.e2el - rec.ttft) / 4)
     assert r.model == "fake-model"
     for b in bodies:
         assert b["max_tokens"] == 5 and b["min_tokens"] == 5 and b["ignore_eos"] is True
@@ -144,25 +149,29 @@ def test_poisson_arrivals_have_the_requested_mean_rate():
 
 
 def test_a_seeded_poisson_run_sends_at_the_planned_times():
+    """Never before its planned time, and without waiting for earlier answers:
+    the server answers nobody before all 6 requests are in flight, so a
+    client that waited for answers would never send the later ones (and its
+    requests would time out). How late a send may be is the event loop's lag,
+    measured by benchmarks, not asserted here."""
     spec = WorkloadSpec(kind="random", num_prompts=6, input_len=8, output_len=2)
     planned = poisson_arrivals(6, 5.0, seed=4)
 
     def starts():
-        with FakeServer(TOK) as server:
+        with FakeServer(TOK, hold_until_in_flight=6) as server:
             r = run_benchmark_sync(config(server.url, spec=spec, seed=4, request_rate=5.0, concurrency=None))
         assert r.summary["completed"] == 6 and r.load == {"request_rate": 5.0, "max_concurrency": None}
+        assert server.max_in_flight == 6
         return [rec.start for rec in r.records]
 
-    # never early; late only by the event loop's lag on a busy machine (the
-    # mean gap is 200 ms)
     for run in (starts(), starts()):
         for start, plan in zip(run, planned):
-            assert plan - 0.002 <= start <= plan + 0.08
+            assert start >= plan - 0.002  # perf_counter's granularity and float rounding
 
 
 def test_max_concurrency_caps_poisson_load():
     spec = WorkloadSpec(kind="random", num_prompts=8, input_len=8, output_len=4)
-    with FakeServer(TOK, ttft=0.02) as server:
+    with FakeServer(TOK, ttft=0.02, hold_until_in_flight=2) as server:
         r = run_benchmark_sync(config(server.url, spec=spec, request_rate=1000.0, concurrency=None, max_concurrency=2))
     assert r.summary["completed"] == 8 and server.max_in_flight == 2
 
@@ -229,18 +238,20 @@ def test_compare_two_servers_side_by_side(tmp_path, capsys):
     doc = json.loads(out_json.read_text())
     runs = doc["runs"]
     assert [(r["label"], r["load"]["concurrency"]) for r in runs] == [("fast", 1), ("fast", 2), ("slow", 1), ("slow", 2)]
+    assert [r["base_url"] for r in runs] == [fast.url, fast.url, slow.url, slow.url]
     assert len(runs[0]["requests"]) == 4 and doc["versions"]["sluice_bench"]
     for c, (f, s) in enumerate([(runs[0], runs[2]), (runs[1], runs[3])], start=1):
         fs, ss = f["summary"], s["summary"]
-        assert ss["tpot_ms"]["median"] > 2 * fs["tpot_ms"]["median"]
-        assert ss["output_throughput"] < fs["output_throughput"]
+        # (Which server is faster is a measurement; the columns must hold
+        # each server's own numbers and the ratios between them.)
         # the printed ratio of the slow column is slow / fast
         block = text.split(f"concurrency {c} |")[-1]
         row = next(line for line in block.splitlines() if line.startswith("Output tok/s"))
         assert f"(x{ss['output_throughput'] / fs['output_throughput']:.2f})" in row
         row = next(line for line in block.splitlines() if line.startswith("TPOT median (ms)"))
         assert f"(x{ss['tpot_ms']['median'] / fs['tpot_ms']['median']:.2f})" in row
-        assert ss["dollars_per_million_output_tokens"] > fs["dollars_per_million_output_tokens"]
+        for summary in (fs, ss):
+            assert summary["dollars_per_million_output_tokens"] > 0
     for name in ("latency.png", "throughput.png"):
         assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
