@@ -216,7 +216,20 @@ def test_completions_with_token_prompt_and_n(server):
     assert [c["text"] for c in again] == [c["text"] for c in choices], "seeded sampling is reproducible"
 
 
+def metric(server: str, name: str) -> float:
+    """The sum of every sample of `name` on /metrics; the series must exist."""
+    samples = [
+        float(line.rsplit(" ", 1)[1])
+        for line in httpx.get(f"{server}/metrics", timeout=30).text.splitlines()
+        if line.startswith(name) and line[len(name)] in " {"
+    ]
+    assert samples, f"{name} is not on /metrics"
+    return sum(samples)
+
+
 def test_bad_input_never_reaches_the_shard(server):
+    steps = metric(server, "sluice_scheduler_steps_total")
+    looked_up = metric(server, "sluice_prefix_cache_lookup_tokens_total")
     response = httpx.post(f"{server}/v1/completions", json={"prompt": [1, VOCAB_SIZE]}, timeout=10)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "prompt"
@@ -224,6 +237,9 @@ def test_bad_input_never_reaches_the_shard(server):
     assert response.status_code == 422
     assert response.json()["error_type"] == "validation"
     assert httpx.get(f"{server}/ready", timeout=10).status_code == 200
+    # Nothing was queued, looked up in the prefix cache, or sent to the shard.
+    assert metric(server, "sluice_scheduler_steps_total") == steps
+    assert metric(server, "sluice_prefix_cache_lookup_tokens_total") == looked_up
 
 
 def test_openapi_document_is_valid(server):
@@ -259,7 +275,13 @@ def test_openai_client_works_unchanged(server):
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
     chat = client.chat.completions.create(
         model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0)
-    assert chat.usage.prompt_tokens_details.cached_tokens >= 0
+    again = client.chat.completions.create(
+        model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0)
+    # 25 prompt tokens: the second request reads its first full 16-token
+    # block from the prefix cache (never the block of the last token).
+    assert chat.usage.prompt_tokens == again.usage.prompt_tokens == 25
+    assert again.usage.prompt_tokens_details.cached_tokens == 16
+    assert again.choices[0].message.content == chat.choices[0].message.content
     completion = client.completions.create(model="tiny-llama", prompt="Hello", max_tokens=3, echo=True, logprobs=1)
     assert completion.choices[0].text.startswith("Hello")
     with pytest.raises(openai.NotFoundError):
