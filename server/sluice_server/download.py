@@ -124,6 +124,7 @@ def _from_hub(repo_id: str, revision: str | None, hub_cache: Path) -> Path:
     where = f"{repo_id}" + (f"@{revision}" if revision else "")
     try:
         check_weight_format(_hub_file_list(repo_id, revision, hub_cache, offline), where)
+        _check_model_type(repo_id, revision, hub_cache, offline, where)
         progress(f"fetching {where} into {hub_cache}" + (" (offline: cache only)" if offline else ""))
         folder = snapshot_download(
             repo_id,
@@ -144,6 +145,22 @@ def _from_hub(repo_id: str, revision: str | None, hub_cache: Path) -> Path:
     except HfHubHTTPError as error:
         raise ModelResolutionError(f"{where}: the Hub refused the request: {error}") from None
     return check_model_folder(Path(folder))
+
+
+def _check_model_type(repo_id: str, revision: str | None, hub_cache: Path, offline: bool, where: str) -> None:
+    """Fetches config.json alone and refuses a model_type no family serves,
+    before any weight is downloaded."""
+    import json
+
+    from huggingface_hub import hf_hub_download
+
+    from sluice_server.models import model_class
+
+    config = hf_hub_download(repo_id, "config.json", revision=revision, cache_dir=hub_cache, local_files_only=offline)
+    try:
+        model_class(json.loads(Path(config).read_text()).get("model_type", "<missing>"))
+    except ValueError as error:
+        raise ModelResolutionError(f"{where}: {error}") from None
 
 
 def _hub_file_list(repo_id: str, revision: str | None, hub_cache: Path, offline: bool) -> list[str]:

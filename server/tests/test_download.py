@@ -161,6 +161,9 @@ class FakeHub:
         self.downloads.append(dict(kwargs, repo_id=repo_id))
         return str(self.snapshot)
 
+    def hf_hub_download(self, repo_id, filename, **kwargs):
+        return str(self.snapshot / filename)
+
 
 @pytest.fixture
 def online(monkeypatch, tmp_path):
@@ -172,6 +175,7 @@ def online(monkeypatch, tmp_path):
         fake = FakeHub(files, snapshot)
         monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", fake.list_repo_files)
         monkeypatch.setattr(huggingface_hub, "snapshot_download", fake.snapshot_download)
+        monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake.hf_hub_download)
         return fake
 
     return install
@@ -193,6 +197,23 @@ def test_online_bin_only_repo_is_refused_before_downloading(online, tmp_path):
     with pytest.raises(ModelResolutionError, match="only pickled weights"):
         resolve_model("acme/old-model", cache_dir=str(tmp_path / "c"))
     assert hub.downloads == []
+
+
+def test_unsupported_model_type_is_refused_before_downloading(online, tmp_path):
+    snapshot = write_model_files(tmp_path / "snap")
+    (snapshot / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    hub = online(["config.json", "model.safetensors"], snapshot)
+    with pytest.raises(ModelResolutionError, match="acme/gpt: model_type 'gpt2' is not supported; supported: "
+                                                   "gemma3_text, llama, mistral, phi3, qwen2, qwen3"):
+        resolve_model("acme/gpt", cache_dir=str(tmp_path / "c"))
+    assert hub.downloads == []
+
+
+def test_unsupported_model_type_is_refused_offline(offline_cache):
+    snapshot = make_hub_cache(offline_cache, "acme/gpt")
+    (snapshot / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ModelResolutionError, match="model_type 'gpt2' is not supported"):
+        resolve_model("acme/gpt")
 
 
 # --- .gguf ------------------------------------------------------------------
