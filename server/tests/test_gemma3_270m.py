@@ -59,7 +59,7 @@ def test_dequantized_weights_equal_the_gguf_package(gemma3_dir, gemma3_gguf):
             tensor = by_name[names.get_name(key.removesuffix(".weight")) + ".weight"]
             raw = tensor_bytes(gemma3_gguf, tensor)
             rows = slice(None) if tensor.shape[1:] != (262144,) else slice(0, 4096)  # the embedding: a part
-            want = torch.from_numpy(gguf.quants.dequantize(raw[rows], gguf.GGMLQuantizationType[tensor.type_name]))
+            want = torch.tensor(gguf.quants.dequantize(raw[rows], gguf.GGMLQuantizationType[tensor.type_name]))
             got = f.get_slice(key)[rows]
             if key.endswith("norm.weight"):
                 want = want.reshape(-1) - 1
