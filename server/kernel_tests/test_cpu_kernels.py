@@ -15,7 +15,7 @@ import torch
 
 from sluice_server.layers import cpu_kernels
 from sluice_server.layers.gguf_weights import FORMATS, QuantizedWeight
-from sluice_server.layers.attention import AttentionMetadata
+from sluice_server.layers.attention import AttentionMetadata, LayerAttention
 from sluice_server.layers.torch_attention import TorchAttention
 from sluice_server.layers.ops import CpuOps, TorchOps, rotary_tables
 from sluice_server.layers.rotary import inverse_frequencies
@@ -60,7 +60,8 @@ def decode_meta(seq_lens: list[int], block_size: int, num_blocks: int, seed: int
     [(9, 3, 64), (8, 8, 64), (8, 2, 128), (4, 1, 40)],  # SmolLM2; MHA; Llama-like; D not a multiple of 16
 )
 @pytest.mark.parametrize("seq_lens", [[1], [5, 17, 16, 33], [300, 2, 129]])
-def test_paged_decode_attention_matches_sdpa(hq, hkv, dim, seq_lens):
+@pytest.mark.parametrize("window", [None, 1, 16, 100])  # sliding windows: from a block boundary and mid-block
+def test_paged_decode_attention_matches_sdpa(hq, hkv, dim, seq_lens, window):
     block_size = 16
     meta = decode_meta(seq_lens, block_size, num_blocks=64, seed=len(seq_lens))
     k_cache, v_cache = randn(64, block_size, hkv, dim, seed=1), randn(64, block_size, hkv, dim, seed=2)
@@ -75,7 +76,7 @@ def test_paged_decode_attention_matches_sdpa(hq, hkv, dim, seq_lens):
     for backend in (reference, kernel):
         meta.backend_state = {}
         backend.prepare(meta)
-        outs.append(backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta))
+        outs.append(backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, LayerAttention(sliding_window=window)))
     torch.testing.assert_close(outs[1], outs[0], atol=2e-6, rtol=1e-5)
 
 

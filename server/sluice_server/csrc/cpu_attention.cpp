@@ -6,10 +6,12 @@
 // head (the G = Hq / Hkv query heads that share a KV head are served together):
 //
 //   for each (sequence b, kv head h)             -- parallel over b x h
-//     s[g, t] = scale * q[b, h*G + g] . K[t, h]   t < seq_len[b], g < G
+//     s[g, t] = scale * q[b, h*G + g] . K[t, h]   first[b] <= t < seq_len[b], g < G
 //     p[g, :] = softmax(s[g, :])
 //     out[b, h*G + g] = sum_t p[g, t] * V[t, h]
 //
+// first[b] is 0, or with a sliding window W > 0 the window's first key:
+// max(0, seq_len[b] - W) (the new token sees its last W keys, itself included).
 // Token t of sequence b lives in block tables[b, t / BS] at offset t % BS;
 // the cache is [num_blocks, BS, Hkv, D], so the rows of one block are
 // Hkv * D floats apart.
@@ -88,7 +90,8 @@ void paged_decode_attention(
     const at::Tensor& v_cache,  // [NB, BS, Hkv, D]
     const at::Tensor& block_tables,  // [B, >= max blocks] int64
     const at::Tensor& seq_lens,      // [B] int64
-    double scale) {
+    double scale,
+    int64_t window) {                // 0: the whole context; W > 0: the last W keys
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3, "q and out must be [B, Hq, D]");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "caches must be [NB, BS, Hkv, D]");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
@@ -107,6 +110,7 @@ void paged_decode_attention(
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == B && block_tables.stride(1) == 1,
               "block_tables must be [B, max_blocks] with contiguous rows");
   TORCH_CHECK(seq_lens.numel() == B && seq_lens.is_contiguous(), "seq_lens must be [B]");
+  TORCH_CHECK(window >= 0, "window must be >= 0");
   const int64_t G = Hq / Hkv;
   const int64_t max_blocks = block_tables.size(1);
   const float* qp = q.data_ptr<float>();
@@ -133,42 +137,45 @@ void paged_decode_attention(
     std::vector<float> scores, maxes(Hq), acc(Hq * D), s_tok(G);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t len = lens[b];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t n_keys = len - first;  // scores of key t at [r * n_keys + t - first]
       const float* qb = qp + b * q_row;
       const int64_t* table = tables + b * t_row;
-      scores.resize(Hq * len);
+      scores.resize(Hq * n_keys);
       std::fill(maxes.begin(), maxes.end(), -std::numeric_limits<float>::infinity());
-      for (int64_t t0 = 0; t0 < len; t0 += BS) {
-        const float* row = kp + table[t0 / BS] * block_stride;
-        const int64_t n = std::min(BS, len - t0);
+      // Keys [first, len), one block's run of rows at a time: [t, t + n).
+      for (int64_t t = first, n; t < len; t += n) {
+        const float* row = kp + table[t / BS] * block_stride + (t % BS) * token_stride;
+        n = std::min(BS - t % BS, len - t);
         for (int64_t i = 0; i < n; ++i, row += token_stride) {
           for (int64_t h = 0; h < Hkv; ++h) {
             dots(qb + h * G * D, row + h * D, G, D, s_tok.data());
             for (int64_t g = 0; g < G; ++g) {
               const int64_t r = h * G + g;
               const float s = s_tok[g] * static_cast<float>(scale);
-              scores[r * len + t0 + i] = s;
+              scores[r * n_keys + t - first + i] = s;
               maxes[r] = std::max(maxes[r], s);
             }
           }
         }
       }
       for (int64_t r = 0; r < Hq; ++r) {
-        float* s = scores.data() + r * len;
+        float* s = scores.data() + r * n_keys;
         float sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) {
+        for (int64_t t = 0; t < n_keys; ++t) {
           s[t] = std::exp(s[t] - maxes[r]);
           sum += s[t];
         }
         const float inv = 1.f / sum;
-        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+        for (int64_t t = 0; t < n_keys; ++t) s[t] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t0 = 0; t0 < len; t0 += BS) {
-        const float* row = vp + table[t0 / BS] * block_stride;
-        const int64_t n = std::min(BS, len - t0);
+      for (int64_t t = first, n; t < len; t += n) {
+        const float* row = vp + table[t / BS] * block_stride + (t % BS) * token_stride;
+        n = std::min(BS - t % BS, len - t);
         for (int64_t i = 0; i < n; ++i, row += token_stride) {
           for (int64_t h = 0; h < Hkv; ++h)
-            axpys(acc.data() + h * G * D, scores.data() + h * G * len + t0 + i, len, row + h * D, G, D);
+            axpys(acc.data() + h * G * D, scores.data() + h * G * n_keys + t - first + i, n_keys, row + h * D, G, D);
         }
       }
       float* ob = op + b * o_row;
@@ -180,7 +187,7 @@ void paged_decode_attention(
 TORCH_LIBRARY_FRAGMENT(sluice_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor seq_lens, float scale) -> ()");
+      "Tensor seq_lens, float scale, int window=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(sluice_cpu, CPU, m) {

@@ -13,8 +13,9 @@ C++ compiler (`$CXX`, default `c++`) or no ninja, or SLUICE_CPU_KERNELS=0;
 fails raises `BuildError`: a broken kernel must stop the shard (and fail the
 tests), not quietly turn into the slower fallback.
 
-    paged_decode_attention(out, q, k_cache, v_cache, block_tables, seq_lens, scale)
-        float32 decode attention straight from the paged cache (cpu_attention.cpp)
+    paged_decode_attention(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window)
+        float32 decode attention straight from the paged cache, optionally over a
+        sliding window (cpu_attention.cpp)
     rms_norm(x, residual, weight, eps) -> (normed, sum); rotary_(q, k, cos, sin);
     silu_mul(x): the small ops of a layer, one pass each (cpu_ops.cpp), used by
         layers.ops.CpuOps
@@ -137,5 +138,7 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> None:
-    torch.ops.sluice_cpu.paged_decode_attention(out, q, k_cache, v_cache, block_tables, seq_lens, scale)
+    """`window` (None: the whole context): each sequence attends to its last `window` keys."""
+    torch.ops.sluice_cpu.paged_decode_attention(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window or 0)

@@ -61,11 +61,8 @@ class TorchAttention(AttentionBackend):
         self.cpu_kernels = cpu_kernels and cpu_kernels_module().load()
         self.ops = CpuOps() if self.cpu_kernels else TorchOps()
 
-    def _use_kernel(self, q: torch.Tensor, k_cache: torch.Tensor, window: int | None) -> bool:
-        # The C++ decode kernel attends to the whole context.
-        return (
-            self.cpu_kernels and window is None and q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.float32
-        )
+    def _use_kernel(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        return self.cpu_kernels and q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.float32
 
     def prepare(self, meta: AttentionMetadata) -> None:
         meta.backend_state["torch"] = {None: self._plan(meta, None)}
@@ -116,10 +113,10 @@ class TorchAttention(AttentionBackend):
         group = num_q_heads // num_kv_heads
         out = torch.empty_like(q)
         nd = meta.num_decodes
-        if nd and self._use_kernel(q, k_cache, window):
+        if nd and self._use_kernel(q, k_cache):
             cpu_kernels_module().paged_decode_attention(
                 out[:nd], q[:nd], k_cache, v_cache, state["decode_tables"], meta.seq_lens[:nd],
-                dim**-0.5 if scale is None else scale,
+                dim**-0.5 if scale is None else scale, window,
             )
         elif nd:
             tables, length = state["decode_tables"], state["decode_len"]
