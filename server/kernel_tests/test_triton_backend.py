@@ -1,6 +1,6 @@
 """TritonAttention as a whole against TorchAttention on batches built by the
-shard's own `batch.build_batch`, and a tiny Llama run end to end on the Triton
-backend against transformers' logits."""
+shard's own `batch.build_batch`, and the backend's selection. (Whole models on
+the Triton backend: test_triton_families.py.)"""
 
 from __future__ import annotations
 
@@ -9,11 +9,9 @@ import random
 import pytest
 import torch
 
-from sluice_server import model_runner as model_runner_module
 from sluice_server.batch import RequestState, Work, build_batch
 from sluice_server.layers.backends import get_backend
 from sluice_server.layers.torch_attention import TorchAttention
-from sluice_server.layers.ops import TritonOps
 from sluice_server.layers.triton_attention import TritonAttention
 from sluice_server.pb import shard_pb2
 
@@ -83,69 +81,6 @@ def test_block_size_mismatch_is_rejected():
     t = batch.input_ids.numel()
     with pytest.raises(ValueError, match="block size"):
         TritonAttention().forward(torch.zeros(t, 4, 64), torch.zeros(t, 2, 64), torch.zeros(t, 2, 64), cache, cache, batch.attn)
-
-
-def tiny_llama(folder):
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        eos_token_id=2,
-    )
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(folder)
-    return model
-
-
-def test_tiny_llama_end_to_end_on_triton(tmp_path):
-    """Same logits as transformers for a prompt run as two chunks then
-    decodes, batched with a second request that reuses its cached prefix."""
-    model = tiny_llama(tmp_path)
-    # Through the shard's own selection: on CPU "triton" is allowed because
-    # the kernel tests run under TRITON_INTERPRET=1.
-    runner = model_runner_module.ModelRunner(
-        tmp_path, dtype="float32", device=str(device()), block_size=4, attention_backend="triton"
-    )
-    assert runner.backend.name == "triton" and isinstance(runner.backend.ops, TritonOps)
-    # Every layer dispatches to the fused kernels, not to torch.
-    layer = runner.model.model.layers[0]
-    assert layer.input_layernorm.ops is runner.backend.ops and layer.mlp.ops is runner.backend.ops
-    runner.backend.num_splits = 2  # cover the split-KV merge on CPU too
-    runner.allocate_kv_cache(32)
-    tokens = torch.randint(3, 128, (30,), generator=torch.Generator().manual_seed(1)).tolist()
-    with torch.no_grad():
-        want = model(torch.tensor([tokens])).logits[0]
-
-    free = list(range(32))
-    random.Random(0).shuffle(free)
-    first = RequestState(1, tokens, 30, 0, [free.pop() for _ in range(8)], shard_pb2.SamplingParams())
-    # The second request shares first's 3 full blocks (12 tokens) as a cached
-    # prefix and owns the rest; it computes from token 10, mid-block.
-    second = RequestState(2, tokens[:26], 26, 10, first.block_ids[:3] + [free.pop() for _ in range(4)],
-                          shard_pb2.SamplingParams())
-    got: dict[tuple[int, int], torch.Tensor] = {}
-
-    def step(items):
-        batch = runner.build_batch([Work(s, s.num_computed_tokens, n, s.block_ids) for s, n in items])
-        batch.logits_indices = torch.arange(batch.input_ids.numel(), device=batch.input_ids.device)
-        logits = runner.execute(batch)
-        row = 0
-        for w in batch.work:
-            for i in range(w.num_new_tokens):
-                got[(w.state.id, w.start + i)] = logits[row]
-                row += 1
-            w.state.num_computed_tokens = w.end
-
-    step([(first, 14)])
-    step([(first, 13)])
-    step([(first, 1), (second, 15)])  # a decode, and a chunk over a cached prefix
-    step([(first, 1), (second, 1)])
-    step([(first, 1)])
-    for rid, start, end in ((1, 0, 30), (2, 10, 26)):
-        rows = torch.stack([got[(rid, p)] for p in range(start, end)])
-        torch.testing.assert_close(rows, want[start:end].float(), atol=1e-4, rtol=0)
 
 
 def test_backend_selection(monkeypatch):

@@ -1,4 +1,4 @@
-"""Every model family on the Triton backend (the interpreter on CPU) against
+"""Each model family on the Triton backend (the interpreter on CPU) against
 transformers' logits, through one schedule that holds each batch shape of the
 shard's numerics tests: a prompt prefilled in two chunks, then decoding; a
 second request over its cached prefix (from mid-block) beside those decodes;
@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from sluice_server.batch import RequestState, Work
+from sluice_server.layers.ops import TritonOps
 from sluice_server.model_runner import ModelRunner
 from sluice_server.pb import shard_pb2
 
@@ -25,14 +26,19 @@ from .kernel_cases import device
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from conftest import make_tiny_model, reference_logits  # noqa: E402
 
-KINDS = ["mistral", "qwen3", "gemma3", "phi3"]
+KINDS = ["llama", "mistral", "qwen3", "gemma3", "phi3"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_family_on_triton_matches_transformers(tmp_path, kind):
     folder = make_tiny_model(tmp_path, kind, seed=KINDS.index(kind))
+    # Through the shard's own selection: on CPU "triton" is allowed because
+    # the kernel tests run under TRITON_INTERPRET=1.
     runner = ModelRunner(folder, dtype="float32", device=str(device()), block_size=4, attention_backend="triton")
-    assert runner.backend.name == "triton"
+    assert runner.backend.name == "triton" and isinstance(runner.backend.ops, TritonOps)
+    # Every layer dispatches to the fused kernels, not to torch.
+    layer = runner.model.model.layers[0]
+    assert layer.input_layernorm.ops is runner.backend.ops and layer.mlp.ops is runner.backend.ops
     runner.backend.num_splits = 2  # the split-KV merge, over windows too
     runner.allocate_kv_cache(32)
     g = torch.Generator().manual_seed(1)

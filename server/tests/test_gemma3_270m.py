@@ -12,7 +12,7 @@ import torch
 
 from sluice_server.model_runner import ModelRunner
 
-from test_model_numerics import shard_greedy
+from test_model_numerics import shard_greedy, transformers_greedy
 
 pytestmark = pytest.mark.gemma3_270m
 
@@ -85,20 +85,12 @@ def test_tokenizer_equals_transformers(gemma3_dir, gemma3_gguf):
 
 
 def test_greedy_matches_transformers(gemma3_dir):
-    import transformers
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(gemma3_dir / "tokenizer.json"))
     prompts = [tokenizer.encode(p, add_special_tokens=True).ids for p in PROMPTS + [LONG_PROMPT]]
     assert len(prompts[-1]) > 600
-    reference = transformers.AutoModelForCausalLM.from_pretrained(gemma3_dir, dtype=torch.float32)
-    want = []
-    with torch.no_grad():
-        for p in prompts:
-            out = reference.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                     do_sample=False, eos_token_id=None, pad_token_id=0)
-            want.append(out[0, len(p):].tolist())
-    del reference
+    want = transformers_greedy(gemma3_dir, prompts, NEW_TOKENS)
 
     runner = ModelRunner(gemma3_dir, dtype="auto", block_size=16)
     assert runner.dtype == torch.float32

@@ -144,20 +144,25 @@ def shard_greedy(runner: ModelRunner, prompts: list[list[int]], n: int) -> list[
     return [out[i] for i in range(len(prompts))]
 
 
-def test_smollm2_greedy_matches_transformers(smollm2_dir):
+def transformers_greedy(folder, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """transformers' generate, greedy, exactly n tokens per prompt (EOS ignored), one prompt at a time."""
     import transformers
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        return [
+            reference.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+            for p in prompts
+        ]
+
+
+def test_smollm2_greedy_matches_transformers(smollm2_dir):
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
     prompts = [tokenizer.encode(p, add_special_tokens=False).ids for p in PROMPTS]
-    reference = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
-    want = []
-    with torch.no_grad():
-        for p in prompts:
-            out = reference.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                     do_sample=False, eos_token_id=None, pad_token_id=2)
-            want.append(out[0, len(p):].tolist())
-    del reference
+    want = transformers_greedy(smollm2_dir, prompts, NEW_TOKENS)
 
     runner = ModelRunner(smollm2_dir, dtype="auto", block_size=16)
     assert runner.dtype == torch.float32 and runner.vocab_size == 49152
