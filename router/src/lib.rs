@@ -13,6 +13,10 @@
 //! 6. back in `http`: `detokenize` turns tokens into text incrementally,
 //!    `stop` cuts stop sequences, responses are shaped per API.
 //!
+//! Structured output: `grammar` compiles constraints (JSON schema, regex,
+//! choice, Lark/GBNF) with llguidance at validation time; `tool_calls` turns
+//! declared tools into such a grammar and parses calls back out of the text.
+//!
 //! `fake_shard` is an in-process shard behind the same `client::Shard` trait,
 //! for tests. `metrics` records Prometheus series; `config` is the one typed
 //! configuration built from the command line at startup.
@@ -32,9 +36,11 @@ pub mod chat_template;
 pub mod cli;
 pub mod config;
 pub mod detokenize;
+pub mod grammar;
 pub mod http;
 pub mod metrics;
 pub mod stop;
 pub mod telemetry;
 pub mod tokenizer;
+pub mod tool_calls;
 pub mod validation;

@@ -88,6 +88,12 @@ impl Tokenizer {
             .collect())
     }
 
+    /// The `tokenizers` tokenizer itself (llguidance builds its token trie
+    /// from it).
+    pub fn hf(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, TokenizerError> {
         self.inner
             .decode(ids, skip_special_tokens)

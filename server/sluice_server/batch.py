@@ -42,6 +42,8 @@ class RequestState:
     # Logprobs of prompt tokens computed so far (prompt_logprobs only); sent
     # with the request's first generation, then None.
     prompt_logprobs: list[tuple[int, float]] | None = None
+    # The request's output constraint (constraints.Grammar), when it has one.
+    grammar: object | None = None
 
 
 @dataclass

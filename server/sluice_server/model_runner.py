@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from sluice_server import sampling
+from sluice_server import constraints, sampling
 from sluice_server.batch import Batch, RequestState, Work, build_batch
 from sluice_server.distributed import SINGLE, Distributed
 from sluice_server.kv_cache import KVCache
@@ -196,9 +196,12 @@ class ModelRunner:
 
     # -- a whole step -------------------------------------------------------
 
-    def run_step(self, work: list[Work]) -> StepOutput:
+    def run_step(self, work: list[Work], constrained: bool = False) -> StepOutput:
         """Builds the batch, runs the forward pass, then computes the prompt
-        logprobs and samples. Request state is read, never changed."""
+        logprobs and samples. Request state is read, never changed.
+
+        constrained: some request of `work` may have a grammar; when False no
+        row is even looked at for one."""
         t0 = time.perf_counter()
         batch = self.build_batch(work)
         t1 = time.perf_counter()
@@ -207,7 +210,7 @@ class ModelRunner:
         output = StepOutput(
             work=batch.work,
             prompt_logprobs=self._prompt_logprobs(batch, logits),
-            sampled=self._sample(batch, logits),
+            sampled=self._sample(batch, logits, constrained),
         )
         output.prepare_s, output.forward_s, output.sampling_s = t1 - t0, t2 - t1, time.perf_counter() - t2
         return output
@@ -237,12 +240,19 @@ class ModelRunner:
             scored.append((w, list(zip(tokens, values[offset : offset + count]))))
         return scored
 
-    def _sample(self, batch: Batch, logits: torch.Tensor) -> list[tuple[Work, sampling.SampledToken]]:
+    def _sample(
+        self, batch: Batch, logits: torch.Tensor, constrained: bool = False
+    ) -> list[tuple[Work, sampling.SampledToken]]:
         sampled = [(w, first + count - 1) for w, (first, count) in zip(batch.work, batch.logits_rows) if w.samples]
         if not sampled:
             return []
         rows = [sampling.SamplingRow(w.state.params, w.state.token_ids, w.state.num_prompt_tokens) for w, _ in sampled]
         chosen = logits[[row for _, row in sampled]]
+        if constrained:
+            # On CUDA the forward pass may still be running: the masks are
+            # computed on the CPU meanwhile, only their application waits.
+            masked = [(i, w.state.grammar) for i, (w, _) in enumerate(sampled) if w.state.grammar is not None]
+            constraints.mask_logits(chosen, [i for i, _ in masked], [g for _, g in masked])
         try:
             results = sampling.sample(chosen, rows, self.eos_token_ids)
         except Exception:

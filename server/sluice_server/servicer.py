@@ -12,6 +12,12 @@ of held requests (`RequestState` by id) plus the model runner. A Step:
        prompt logprobs accumulate; each sampled token is appended to its
        request's token_ids and returned as a Generation.
 
+Constrained requests (structured output, tool calls) get a matcher when they
+arrive (constraints.Grammar, rebuilt from prompt + generated tokens for a
+resumed one); the runner masks their rows before sampling and the commit
+advances the matcher by the sampled token. With no constrained request held,
+none of this runs.
+
 `ShardServicer` is the grpc.aio wrapper: it serialises calls that touch the
 model, runs them off the event loop, and maps errors to status codes.
 """
@@ -24,8 +30,8 @@ import time
 
 import grpc
 
-from sluice_server import telemetry
-from sluice_server.batch import InvalidStep, ShardLimits, RequestState, check_step
+from sluice_server import constraints, telemetry
+from sluice_server.batch import CheckedStep, InvalidStep, ShardLimits, RequestState, check_step
 from sluice_server.model_runner import KVBudgetError, ModelRunner, StepOutput
 from sluice_server.pb import shard_pb2, shard_pb2_grpc
 
@@ -42,6 +48,12 @@ class Shard:
         self.urls = urls
         self.kv_cache_bytes = kv_cache_bytes
         self.requests: dict[int, RequestState] = {}
+        # Ids of held requests that have a grammar: while empty, no step does
+        # any constraint work.
+        self.constrained: set[int] = set()
+        self.grammar_tokenizer = constraints.GrammarTokenizer(
+            runner.model_dir / "tokenizer.json", runner.vocab_size, runner.eos_token_ids
+        )
 
     def info(self) -> shard_pb2.InfoResponse:
         r = self.runner
@@ -59,7 +71,10 @@ class Shard:
         )
 
     def warmup(self, req: shard_pb2.WarmupRequest) -> shard_pb2.WarmupResponse:
-        self.requests.clear()  # the cache is reallocated: nothing held survives
+        self.clear()  # the cache is reallocated: nothing held survives
+        # llguidance's token trie takes a second: built now, not on the
+        # first constrained request.
+        self.grammar_tokenizer.load()
         result = self.runner.warmup(
             req.max_batch_prefill_tokens, req.max_batch_size, req.max_total_tokens, self.kv_cache_bytes
         )
@@ -67,6 +82,11 @@ class Shard:
 
     def clear(self) -> None:
         self.requests.clear()
+        self.constrained.clear()
+
+    def _drop(self, rid: int) -> None:
+        self.requests.pop(rid, None)
+        self.constrained.discard(rid)
 
     def health_check(self) -> None:
         """One token through the whole model in a scratch cache; raises on failure.
@@ -85,8 +105,9 @@ class Shard:
             raise NotWarmedUp("Step before Warmup: the KV cache is not allocated")
         limits = ShardLimits(num_blocks=cache.num_blocks, block_size=cache.block_size, vocab_size=self.runner.vocab_size)
         checked = check_step(self.requests, req, limits)
+        arriving_constrained = self._attach_grammars(req, checked)
         for rid in req.finished_ids:
-            self.requests.pop(rid, None)
+            self._drop(rid)
         response = shard_pb2.StepResponse()
         for rid, message in checked.errors:
             response.errors.add(id=rid, message=message)
@@ -95,7 +116,7 @@ class Shard:
             return response
 
         t1 = time.perf_counter()
-        output = self.runner.run_step(checked.work)
+        output = self.runner.run_step(checked.work, constrained=bool(self.constrained) or arriving_constrained)
         t2 = time.perf_counter()
         self._commit(checked.new_states, output, response)
         response.timings.prepare_ms = (t1 - t0 + output.prepare_s) * 1e3
@@ -103,11 +124,36 @@ class Shard:
         response.timings.sampling_ms = (output.sampling_s + time.perf_counter() - t2) * 1e3
         return response
 
+    def _attach_grammars(self, step: shard_pb2.StepRequest, checked: CheckedStep) -> bool:
+        """Builds the matcher of each new constrained request; a failure
+        (a grammar the shard cannot build) fails that request only. True
+        when some new request is constrained."""
+        sources = {r.id: r.grammar for r in step.new_requests if r.grammar}
+        if not sources:
+            return False
+        failed: set[int] = set()
+        for state in checked.new_states:
+            source = sources.get(state.id)
+            if source is None:
+                continue
+            try:
+                generated = state.token_ids[state.num_prompt_tokens :]
+                state.grammar = constraints.Grammar(self.grammar_tokenizer.get(), source, generated)
+            except constraints.GrammarError as e:
+                checked.errors.append((state.id, str(e)))
+                failed.add(state.id)
+        if failed:
+            checked.new_states = [s for s in checked.new_states if s.id not in failed]
+            checked.work = [w for w in checked.work if w.state.id not in failed]
+        return True
+
     def _commit(self, new_states: list[RequestState], output: StepOutput, response: shard_pb2.StepResponse) -> None:
         """Applies a step the runner computed: new requests join the table,
         every request advances, sampled tokens are appended and reported."""
         for state in new_states:
             self.requests[state.id] = state
+            if state.grammar is not None:
+                self.constrained.add(state.id)
         for w in output.work:
             w.state.block_ids = w.block_ids
             w.state.num_computed_tokens = w.end
@@ -115,9 +161,12 @@ class Shard:
             w.state.prompt_logprobs.extend(scored)
         for w, result in output.sampled:
             state = w.state
-            if result.error is not None:
-                response.errors.add(id=state.id, message=result.error)
-                self.requests.pop(state.id, None)
+            error = result.error
+            if error is None and state.grammar is not None:
+                error = state.grammar.accept(result.token_id)
+            if error is not None:
+                response.errors.add(id=state.id, message=error)
+                self._drop(state.id)
                 continue
             state.token_ids.append(result.token_id)
             gen = response.generations.add(id=state.id, token_id=result.token_id)

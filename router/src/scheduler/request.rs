@@ -133,6 +133,8 @@ impl Request {
                 // continues the count).
                 min_tokens: r.min_tokens,
             }),
+            // Unconstrained until the APIs accept constraints (issue 17).
+            grammar: String::new(),
         }
     }
 }
