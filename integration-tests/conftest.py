@@ -111,7 +111,30 @@ class Launcher:
                 self.proc.wait()
 
 
-def start_launcher(*args: str, env: dict | None = None, wait_ready: bool = True, tmp: Path) -> Launcher:
+# A port picked by free_port() is free when picked, not necessarily when the
+# router binds it (other test runs share the machine): a start that failed on
+# a taken port is retried on new ports.
+PORT_TAKEN = ("already in use", "Address already in use", "cannot listen on")
+
+
+def start_launcher(*args: str, env: dict | None = None, wait_ready: bool = True, tmp: Path,
+                   attempts: int = 3) -> Launcher:
+    for attempt in range(attempts):
+        launcher = _launch(args, env, tmp)
+        if not wait_ready:
+            return launcher
+        error = _wait_ready(launcher)
+        if error is None:
+            return launcher
+        if attempt + 1 < attempts and launcher.proc.returncode is not None and any(
+            taken in launcher.output() for taken in PORT_TAKEN
+        ):
+            continue
+        pytest.fail(error)
+    raise AssertionError("unreachable")
+
+
+def _launch(args, env: dict | None, tmp: Path) -> Launcher:
     port = free_port()
     uds = str(tmp / "shard")
     cmd = [
@@ -142,20 +165,24 @@ def start_launcher(*args: str, env: dict | None = None, wait_ready: bool = True,
         launcher.output_ended.set()
 
     threading.Thread(target=pump, daemon=True).start()
-    if wait_ready:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"launcher exited with {proc.returncode}:\n{launcher.output()}")
-            try:
-                if httpx.get(f"{launcher.base_url}/ready", timeout=2).status_code == 200:
-                    return launcher
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        launcher.stop()
-        pytest.fail(f"launcher not ready after {READY_TIMEOUT_S}s:\n{launcher.output()}")
     return launcher
+
+
+def _wait_ready(launcher: Launcher) -> str | None:
+    """None once /ready answers 200; otherwise why not (the launcher is stopped)."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if launcher.proc.poll() is not None:
+            launcher.output_ended.wait(30)
+            return f"launcher exited with {launcher.proc.returncode}:\n{launcher.output()}"
+        try:
+            if httpx.get(f"{launcher.base_url}/ready", timeout=2).status_code == 200:
+                return None
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    launcher.stop()
+    return f"launcher not ready after {READY_TIMEOUT_S}s:\n{launcher.output()}"
 
 
 @pytest.fixture(scope="session")
