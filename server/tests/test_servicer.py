@@ -22,6 +22,9 @@ from conftest import make_tiny_model
 
 SERVER_DIR = Path(__file__).resolve().parents[1]
 BLOCK = 4
+# A shard's start may include building the CPU kernels for this checkout
+# (minutes on a busy 2-core machine); only a hang should reach this.
+START_TIMEOUT_S = 600
 GREEDY = shard_pb2.SamplingParams()
 
 
@@ -42,7 +45,7 @@ def server(model_dir):
            "--kv-cache-bytes", str(64 * 2**20), "--block-size", str(BLOCK), "--num-threads", "1"]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + START_TIMEOUT_S
     while "Server started at unix://" + uds + "-0" not in Path(log_path).read_text():
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
@@ -258,7 +261,7 @@ def test_logprobs_match_reference(model_dir):
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(SERVER_DIR))
     return subprocess.run([sys.executable, "-m", "sluice_server.cli", *args], capture_output=True, text=True,
-                          env=env, timeout=120)
+                          env=env, timeout=START_TIMEOUT_S)
 
 
 def test_download_weights_prints_folder_last(model_dir):

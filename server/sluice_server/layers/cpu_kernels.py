@@ -79,6 +79,17 @@ def missing_toolchain() -> str | None:
     return None
 
 
+def build_folder_name() -> str:
+    """NAME plus a hash of where the sources are: one build folder per source
+    location. ninja rebuilds when a source's path changes, so an installed
+    package and a checkout (the tests start shards from both), or two
+    checkouts, sharing one folder would rebuild each other's build at every
+    switch, each start waiting minutes on the other's lock."""
+    import hashlib
+
+    return f"{NAME}_{hashlib.sha256(str(CSRC).encode()).hexdigest()[:10]}"
+
+
 def unavailable_reason() -> str | None:
     """After load(): why the kernels are off, or None when they are loaded."""
     return _state.get("reason")
@@ -118,7 +129,7 @@ def _build() -> None:
     from torch.utils.cpp_extension import load as load_extension
 
     load_extension(
-        name=NAME,
+        name=build_folder_name(),
         sources=[str(p) for p in SOURCES],
         extra_cflags=["-O3", "-march=native", "-fopenmp"],
         extra_ldflags=["-fopenmp"],
