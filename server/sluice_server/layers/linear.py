@@ -22,9 +22,8 @@ from sluice_server.distributed import Distributed, shard_range
 from sluice_server.layers.gguf_weights import usable_for
 
 # oneDNN's packed-weight linear (the op torch's own CPU compiler emits for
-# frozen weights). On the 2-core AVX2 development machine it ran SmolLM2's
-# decode shapes 1.3x (32 rows) to 2.5x (8 rows) faster than the default
-# F.linear (MKL sgemm on a plain row-major weight); see benchmarks/step_bench.py.
+# frozen weights), in place of F.linear (MKL sgemm on a plain row-major
+# weight); benchmarks/packed_linear.py times the two on a model's shapes.
 _MKLDNN = getattr(torch.ops, "mkldnn", None)
 CPU_PACK_DTYPES = (torch.float32, torch.bfloat16)
 
