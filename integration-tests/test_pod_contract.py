@@ -159,7 +159,9 @@ def test_pod_contract(tiny_model_dir, tmp_path):
         "launcher.model-id": str(tiny_model_dir),
         "launcher.kv-cache-bytes": 64 * 1024 * 1024,
         "launcher.max-batch-prefill-tokens": 512,
-        "launcher.shutdown-timeout": 60,
+        # The drain bound (and with it the grace period): the 1,500-token
+        # stream below must end inside it however busy the machine is.
+        "launcher.shutdown-timeout": 300,
         # Pods have their own /tmp and network namespace; tests share the host's.
         "launcher.shard-uds-path": str(tmp_path / "shard"),
         "launcher.master-port": free_port(),
@@ -233,7 +235,7 @@ def test_pod_contract(tiny_model_dir, tmp_path):
 
         # Then SIGTERM to the container's main process.
         proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while readiness.once():
             assert time.monotonic() < deadline, "still ready while draining"
             time.sleep(0.2)
@@ -275,7 +277,13 @@ def test_picker_gauges_move(tiny_model_dir, tmp_path):
                     "stream": True}
             threading.Thread(target=lambda b=body, c=chunks, d=done: _stream(server, b, c, d), daemon=True).start()
             streams.append((chunks, done))
-            time.sleep(0.2)  # in order: the long one runs, the others wait
+            # In order: the long one streams alone, each other one waits behind it.
+            if len(streams) == 1:
+                wait_until(lambda c=chunks: c, "the long stream's first token", server)
+            else:
+                waiting = len(streams) - 1
+                wait_until(lambda n=waiting: scrape(server.base_url)[1]["sluice_queue_size"] == n,
+                           f"{waiting} requests waiting", server)
         ratios, queued = [], []
         deadline = time.monotonic() + 240
         while not all(done.is_set() for _, done in streams):
@@ -303,6 +311,13 @@ def test_picker_gauges_move(tiny_model_dir, tmp_path):
         assert "# TYPE sluice_kv_cache_usage_ratio gauge" in text
     finally:
         server.stop()
+
+
+def wait_until(condition, what: str, server: Launcher, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"never: {what}\n{server.output()}"
+        time.sleep(0.05)
 
 
 def _stream(server: Launcher, body: dict, chunks: list, done: threading.Event) -> None:
