@@ -291,13 +291,21 @@ async fn bad_requests_get_precise_errors() {
 #[tokio::test]
 async fn overload_is_429_with_retry_after() {
     let mut setup = Setup { max_concurrent_requests: 1, ..Default::default() };
-    setup.fake.latency = Duration::from_millis(50);
-    let (app, _) = build(setup);
+    // The slow request holds the only slot for 12 steps of 200 ms; the
+    // second one is sent once the scheduler has it, not after a guessed pause.
+    setup.fake.latency = Duration::from_millis(200);
+    let (app, state) = build(setup);
     let slow = {
         let app = app.clone();
-        tokio::spawn(async move { post(&app, "/generate", json!({"inputs": "a", "parameters": {"max_new_tokens": 6}})).await })
+        tokio::spawn(async move { post(&app, "/generate", json!({"inputs": "a", "parameters": {"max_new_tokens": 12}})).await })
     };
-    tokio::time::sleep(Duration::from_millis(30)).await;
+    let admitted = async {
+        while state.infer.stats().await.map_or(0, |s| s.waiting + s.running) == 0 {
+            assert!(!slow.is_finished(), "the slow request ended before the scheduler had it");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(60), admitted).await.expect("the slow request never reached the scheduler");
     let (status, headers, text) = call(&app, "POST", "/generate", Some(json!({"inputs": "b"}))).await;
     assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{text}");
     assert_eq!(headers["retry-after"], "1");
