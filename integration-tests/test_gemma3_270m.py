@@ -15,14 +15,16 @@ from conftest import start_launcher
 
 pytestmark = pytest.mark.gemma3_270m
 
+# Other prompts than the shard-level test's (server/tests/test_gemma3_270m.py).
 PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    ",
-    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
-    "Water boils at 100 degrees Celsius at sea level because",
+    "The three primary colors are",
+    "import numpy as np\n\ndef softmax(x):\n    ",
+    "In 1969, the first people to walk on the Moon were",
+    "A simple recipe for pancakes: first, mix",
     # Past the local layers' 512-token window, and prefilled in two chunks.
-    " ".join(f"Step {i}: the river carried {i} boats past the mill, and the miller counted them." for i in range(40))
-    + " In the end, the miller had counted",
+    " ".join(f"Line {i}: the train left station {i} at {i % 12 + 1} o'clock with {2 * i + 3} passengers."
+             for i in range(36))
+    + " Counting every passenger, the total was",
 ]
 NEW_TOKENS = 32
 

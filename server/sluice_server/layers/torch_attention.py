@@ -90,14 +90,16 @@ class TorchAttention(AttentionBackend):
         for s in range(nd, len(meta.query_lens_list)):
             q_len, seq_len = meta.query_lens_list[s], meta.seq_lens_list[s]
             cached = seq_len - q_len
-            positions = torch.arange(cached, seq_len, device=meta.seq_lens.device)
+            device = meta.seq_lens.device
             if cached == 0:
                 # Fresh k/v: plain causal unless the window hides some of them.
-                mask = visible_keys(positions, q_len, window) if window is not None and q_len > window else None
+                mask = None
+                if window is not None and q_len > window:
+                    mask = visible_keys(torch.arange(q_len, device=device), q_len, window)
                 prefills.append((start, q_len, seq_len, None, mask))
             else:
                 nb = -(-seq_len // meta.block_size)
-                mask = visible_keys(positions, seq_len, window)
+                mask = visible_keys(torch.arange(cached, seq_len, device=device), seq_len, window)
                 prefills.append((start, q_len, seq_len, meta.block_tables[s : s + 1, :nb], mask))
             start += q_len
         state["prefills"] = prefills

@@ -63,21 +63,11 @@ class LlamaConfig:
         rope = rope_parameters(c)
         if rope.get("partial_rotary_factor", 1.0) != 1.0 and c["model_type"] != "phi3":
             raise ValueError(f"partial_rotary_factor is not supported for {c['model_type']}")
-        heads = c["num_attention_heads"]
         # Llama/Mistral: attention_bias covers q, k, v and o; Qwen2: q, k, v only.
         qwen = c["model_type"] == "qwen2"
         attention_bias = bool(c.get("attention_bias", False))
         return cls(
-            model_type=c["model_type"],
-            vocab_size=c["vocab_size"],
-            hidden_size=c["hidden_size"],
-            intermediate_size=c["intermediate_size"],
-            num_hidden_layers=c["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=c.get("num_key_value_heads") or heads,
-            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-            max_position_embeddings=c.get("max_position_embeddings", 2048),
+            **model_shape(c, head_dim=c["hidden_size"] // c["num_attention_heads"], max_position_embeddings=2048),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             qkv_bias=qwen or attention_bias,
             o_bias=attention_bias and not qwen,
@@ -85,6 +75,24 @@ class LlamaConfig:
             rope=rope,
             sliding_windows=sliding_windows(c),
         )
+
+
+def model_shape(c: dict[str, Any], head_dim: int, max_position_embeddings: int) -> dict[str, Any]:
+    """The config.json sizes every family reads the same way; `head_dim` and
+    `max_position_embeddings` are the family's defaults where the file has none."""
+    heads = c["num_attention_heads"]
+    return dict(
+        model_type=c["model_type"],
+        vocab_size=c["vocab_size"],
+        hidden_size=c["hidden_size"],
+        intermediate_size=c["intermediate_size"],
+        num_hidden_layers=c["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=c.get("num_key_value_heads") or heads,
+        head_dim=c.get("head_dim") or head_dim,
+        rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=c.get("max_position_embeddings", max_position_embeddings),
+    )
 
 
 def sliding_windows(c: dict[str, Any]) -> tuple[int | None, ...]:
@@ -232,20 +240,25 @@ class LlamaForCausalLM(nn.Module):
     }
     # Checkpoint tensors with no parameter here (buffers some exporters save).
     ignored_suffixes = ("rotary_emb.inv_freq",)
-    # What a variant changes (models/qwen3.py, models/phi3.py).
+    # What a variant changes (models/qwen3.py, models/phi3.py, models/gemma3.py).
+    config_cls = LlamaConfig
     attention_cls = LlamaAttention
 
     def __init__(self, config: dict[str, Any], dist: Distributed, backend: AttentionBackend):
         super().__init__()
-        self.config = cfg = LlamaConfig.from_dict(config)
+        self.config = cfg = self.config_cls.from_dict(config)
         check_tensor_parallel(cfg, dist.world_size)
         first_kv, last_kv = kv_head_range(cfg, dist)
         self.num_local_kv_heads = last_kv - first_kv
-        self.model = LlamaModel(cfg, dist, backend, self.attention_cls)
+        self.model = self.decoder(cfg, dist, backend)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dist)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, torch.get_default_device())
+
+    def decoder(self, cfg: LlamaConfig, dist: Distributed, backend: AttentionBackend) -> nn.Module:
+        """`self.model`: the embedding, the decoder layers and the final norm."""
+        return LlamaModel(cfg, dist, backend, self.attention_cls)
 
     def forward(
         self,

@@ -20,11 +20,13 @@ from sluice_server.models.llama import LlamaAttention, LlamaForCausalLM
 
 
 class Qwen3Attention(LlamaAttention):
+    qk_norm = RMSNorm  # Gemma 3 (models/gemma3.py): its (1 + w) kind
+
     def __init__(self, cfg, dist, backend, index):
         super().__init__(cfg, dist, backend, index)
         # Shared by every head, hence whole on every tensor-parallel rank.
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, backend.ops)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, backend.ops)
+        self.q_norm = self.qk_norm(cfg.head_dim, cfg.rms_norm_eps, backend.ops)
+        self.k_norm = self.qk_norm(cfg.head_dim, cfg.rms_norm_eps, backend.ops)
 
     def position_encode(self, q: torch.Tensor, k: torch.Tensor, rotary: RotaryTables):
         t, d = q.shape[0], self.head_dim
