@@ -91,12 +91,14 @@ def test_tiny_models_agree_over_1_2_3_shards(tmp_path, name):
     assert len(set(runs[1][0]["tokens"][2])) > 1  # the sampled request really sampled
 
 
-# The other families over every shard count (up to 3) their head counts
-# allow; the 10-token prompt is longer than the 8-token sliding windows
-# (Phi-3's is 16; its LongRoPE runs the long factors past 8 positions).
+# The other families over every shard count up to 4 that their head counts
+# allow (4 query heads: 2 and 4; 6 query / 3 key-value heads: 3; 6 / 2: 2);
+# the 10-token prompt is longer than the 8-token sliding windows (Phi-3's is 16;
+# its LongRoPE runs the long factors past 8 positions). Gemma 3's one
+# key-value head is copied on every shard.
 FAMILIES = {
-    "qwen3": (dict(num_attention_heads=4, num_key_value_heads=2), (2,)),
-    "gemma3": (dict(num_attention_heads=4, num_key_value_heads=1), (2,)),
+    "qwen3": (dict(num_attention_heads=4, num_key_value_heads=2), (2, 4)),
+    "gemma3": (dict(num_attention_heads=4, num_key_value_heads=1), (2, 4)),
     "phi3": (dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=96), (3,)),
     "mistral": (dict(num_attention_heads=6, num_key_value_heads=2, hidden_size=96), (2,)),
 }
