@@ -20,6 +20,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import asyncio
+import json
+
 import httpx
 import pytest
 
@@ -212,25 +215,39 @@ def model_dir(launcher) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, model_dir) -> Path:
     """A 2-layer random-weight Llama with SmolLM2's tokenizer: starts in seconds."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from sluice_server.testing import make_tiny_model
 
-    out = tmp_path_factory.mktemp("tiny-model")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
+    out = make_tiny_model(
+        tmp_path_factory.mktemp("tiny-model"), "tied",
+        vocab_size=49152, intermediate_size=128, max_position_embeddings=2048, bos_token_id=1,
     )
-    LlamaForCausalLM(config).save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
         if (model_dir / name).exists():
             shutil.copy(model_dir / name, out / name)
     return out
+
+
+async def stream_completion(client: httpx.AsyncClient, model: str, prompt, max_tokens: int,
+                            stamps: list[float] | None = None, first_token: asyncio.Event | None = None,
+                            ignore_eos: bool = False) -> str:
+    """Streams a greedy /v1/completions answer and returns its text; appends
+    the arrival time of every chunk that carries text to `stamps`, and sets
+    `first_token` at the first."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": ignore_eos}
+    text = ""
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            assert "error" not in chunk, chunk
+            for choice in chunk["choices"]:
+                if choice["text"]:
+                    text += choice["text"]
+                    if stamps is not None:
+                        stamps.append(time.monotonic())
+                    if first_token is not None:
+                        first_token.set()
+    return text

@@ -13,14 +13,13 @@ Every test drives a real launcher (router + Python shard) over HTTP:
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import re
 import time
 
 import httpx
 
-from conftest import start_launcher
+from conftest import start_launcher, stream_completion
 
 BLOCK = 16  # the launcher's default --block-size
 
@@ -124,31 +123,6 @@ def test_greedy_outputs_match_with_prefix_caching_on_and_off(launcher, tmp_path)
     assert off_hits == 0
 
 
-async def stream_tokens(client: httpx.AsyncClient, model: str, prompt, max_tokens: int,
-                        stamps: list[float] | None = None, first_token: asyncio.Event | None = None,
-                        ignore_eos: bool = False) -> str:
-    """Streams a greedy completion; appends the arrival time of every chunk
-    that carries text to `stamps`."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": ignore_eos}
-    text = ""
-    async with client.stream("POST", "/v1/completions", json=body) as resp:
-        assert resp.status_code == 200, await resp.aread()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: "):])
-            assert "error" not in chunk, chunk
-            for choice in chunk["choices"]:
-                if choice["text"]:
-                    text += choice["text"]
-                    if stamps is not None:
-                        stamps.append(time.monotonic())
-                    if first_token is not None:
-                        first_token.set()
-    return text
-
-
 def test_tiny_kv_cache_preempts_and_every_request_matches_alone(tiny_model_dir, tmp_path):
     """Room for 4 full-length requests (4 x 6 blocks), 64 clients at once."""
     server = start_launcher(
@@ -165,9 +139,9 @@ def test_tiny_kv_cache_preempts_and_every_request_matches_alone(tiny_model_dir, 
         async def run():
             limits = httpx.Limits(max_connections=80)
             async with httpx.AsyncClient(base_url=server.base_url, timeout=600, limits=limits) as client:
-                alone = [await stream_tokens(client, model, p, 48, ignore_eos=True) for p in prompts]
+                alone = [await stream_completion(client, model, p, 48, ignore_eos=True) for p in prompts]
                 together = await asyncio.gather(
-                    *(stream_tokens(client, model, p, 48, ignore_eos=True) for p in prompts))
+                    *(stream_completion(client, model, p, 48, ignore_eos=True) for p in prompts))
                 return alone, together
 
         preemptions_before = metric(server.base_url, "sluice_preemptions_total")
@@ -219,7 +193,7 @@ def test_chunked_prefill_keeps_streams_flowing(model_dir, tmp_path):
             firsts = [asyncio.Event() for _ in short_prompts]
             async with httpx.AsyncClient(base_url=url, timeout=600) as client:
                 streams = [
-                    asyncio.create_task(stream_tokens(client, model, p, 96, s, f, ignore_eos=True))
+                    asyncio.create_task(stream_completion(client, model, p, 96, s, f, ignore_eos=True))
                     for p, s, f in zip(short_prompts, stamps, firsts)
                 ]
                 for f in firsts:
@@ -227,7 +201,7 @@ def test_chunked_prefill_keeps_streams_flowing(model_dir, tmp_path):
                 long_first = asyncio.Event()
                 sent = time.monotonic()
                 long_task = asyncio.create_task(
-                    stream_tokens(client, model, long_prompt, 2, None, long_first))
+                    stream_completion(client, model, long_prompt, 2, None, long_first))
                 await long_first.wait()
                 read = time.monotonic()
                 await asyncio.gather(long_task, *streams)

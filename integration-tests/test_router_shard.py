@@ -67,17 +67,9 @@ def write_tokenizer(folder: Path) -> None:
 
 
 def make_model(folder: Path) -> Path:
-    import torch
-    import transformers
+    from sluice_server.testing import make_tiny_model
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-    )
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(folder)
+    make_tiny_model(folder, "llama", vocab_size=VOCAB_SIZE, bos_token_id=1)
     write_tokenizer(folder)
     return folder
 

@@ -19,109 +19,11 @@ except ImportError:  # a source checkout: test the tree this file is in
 from sluice_server.batch import RequestState, Work
 from sluice_server.model_runner import ModelRunner
 from sluice_server.pb import shard_pb2
+from sluice_server.testing import make_tiny_model  # noqa: F401 - tests import it from here
 
 # One thread: on a 2-core machine shared with other work, two OpenMP threads
 # make every small op wait for a descheduled peer (measured: ~12 ms per op).
 torch.set_num_threads(1)
-
-TINY = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-5,
-)
-
-
-# Sliding windows of the tiny models: shorter than most test prompts.
-TINY_WINDOW = 8
-
-
-def make_tiny_model(folder: Path, kind: str = "llama", seed: int = 0, **overrides) -> Path:
-    """Saves a random-weight model (float32) in HF layout into `folder`.
-
-    kind: "llama" (GQA, untied), "qwen2" (q/k/v biases), "tied" (SmolLM2-like),
-    "mha" (no GQA), "llama3" (rope_scaling type llama3), "mistral" (sliding
-    window in every layer), "qwen3" (q/k norms, head_dim != hidden / heads,
-    the second layer windowed), "gemma3" (a local and a global layer, linear
-    rope on the global one, logit soft-capping), "phi3" (fused tensors,
-    LongRoPE past 8 positions, half the head rotated, a window of 16).
-    Norm weights are random too, so a norm that is not loaded, or loaded as
-    the wrong variant, shows.
-    """
-    import transformers
-
-    torch.manual_seed(seed)
-    args = dict(TINY, **overrides)
-    if kind == "qwen2":
-        config = transformers.Qwen2Config(**args, tie_word_embeddings=False)
-    elif kind == "tied":
-        config = transformers.LlamaConfig(**args, tie_word_embeddings=True, rope_theta=100000.0)
-    elif kind == "mha":
-        config = transformers.LlamaConfig(**dict(args, num_key_value_heads=4), tie_word_embeddings=False)
-    elif kind == "llama3":
-        config = transformers.LlamaConfig(
-            **args,
-            tie_word_embeddings=False,
-            rope_theta=500000.0,
-            rope_scaling={
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 32,
-            },
-        )
-    elif kind == "mistral":
-        config = transformers.MistralConfig(**dict(dict(sliding_window=TINY_WINDOW), **args), tie_word_embeddings=False)
-    elif kind == "qwen3":
-        config = transformers.Qwen3Config(
-            **dict(dict(head_dim=32, use_sliding_window=True, sliding_window=TINY_WINDOW, max_window_layers=1), **args),
-            tie_word_embeddings=False,
-        )
-    elif kind == "gemma3":
-        layers = args["num_hidden_layers"]
-        config = transformers.Gemma3TextConfig(
-            **dict(dict(
-                head_dim=32, query_pre_attn_scalar=24, sliding_window=TINY_WINDOW, final_logit_softcapping=3.0,
-                layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
-                rope_parameters={
-                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                    "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
-                },
-            ), **args),
-            pad_token_id=0, bos_token_id=1,
-        )
-    elif kind == "phi3":
-        rotated = args["hidden_size"] // args["num_attention_heads"] // 2
-        config = transformers.Phi3Config(
-            **dict(dict(
-                partial_rotary_factor=0.5, original_max_position_embeddings=8, sliding_window=16,
-                rope_scaling={
-                    "type": "longrope",
-                    "short_factor": [1.0 + 0.1 * i for i in range(rotated // 2)],
-                    "long_factor": [1.0 + 0.7 * i for i in range(rotated // 2)],
-                },
-            ), **args),
-            tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        )
-    elif kind == "llama":
-        config = transformers.LlamaConfig(**args, tie_word_embeddings=False)
-    else:
-        raise ValueError(kind)
-    config.eos_token_id = 2
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # random biases and norms, so a loading bug cannot hide behind zeros or ones
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.5)
-            elif name.endswith("norm.weight"):
-                p.add_(torch.randn_like(p) * 0.2)
-    model.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="session")
