@@ -26,7 +26,7 @@ use crate::http::{self, AppState, HttpOptions, Info};
 use crate::infer::{Infer, ShardInfo};
 use crate::scheduler::{self, SchedulerConfig};
 use crate::tokenizer::Tokenizer;
-use crate::validation::{GenerationDefaults, Limits, Validation};
+use crate::validation::{GenerationDefaults, RequestLimits, Validation};
 
 /// How long to keep retrying the first connection to rank 0 (the launcher
 /// may start the router while the shard is still binding its socket).
@@ -170,7 +170,7 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
         validation: Validation {
             tokenizer: files.tokenizer,
             chat_template: files.chat_template.map(Arc::new),
-            limits: Limits {
+            limits: RequestLimits {
                 max_input_tokens: limits.max_input_tokens,
                 max_total_tokens: limits.max_total_tokens,
                 max_stop_sequences: config.max_stop_sequences,
@@ -179,6 +179,7 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
             },
             vocab_size,
             defaults: files.defaults,
+            model_names: vec![config.served_model_name().to_string(), config.model_id.clone()],
         },
         info: Info {
             model_id: config.model_id.clone(),
@@ -203,7 +204,6 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
             version: env!("CARGO_PKG_VERSION").into(),
             hourly_cost: config.hourly_cost,
         },
-        model_names: vec![config.served_model_name().to_string(), config.model_id.clone()],
         metrics,
         draining: Arc::new(AtomicBool::new(false)),
         progress_timeout: Duration::from_secs(config.progress_timeout),

@@ -30,7 +30,7 @@ pub enum ClientError {
 }
 
 /// What the scheduler needs from a shard group; implemented by [`ShardGroup`]
-/// and by `fake_shard::FakeShard`.
+/// and by the test double `testing::fake_shard::FakeShard`.
 pub trait Shard: Send + 'static {
     fn step(&mut self, request: StepRequest) -> impl Future<Output = Result<StepResponse, ClientError>> + Send;
 
@@ -45,6 +45,9 @@ pub trait Shard: Send + 'static {
         self.step(request)
     }
 }
+
+/// gRPC metadata key of the request spans a step serves (repeated).
+pub const LINK_METADATA_KEY: &str = "sluice-link-traceparent";
 
 /// A step's trace context, sent as gRPC metadata: `traceparent` (the step
 /// span) and one `sluice-link-traceparent` entry per request span it serves.
@@ -64,7 +67,7 @@ impl StepTrace {
             metadata.insert("traceparent", value);
         }
         for value in self.links.iter().filter_map(|v| v.parse().ok()) {
-            metadata.append(crate::telemetry::LINK_METADATA_KEY, value);
+            metadata.append(LINK_METADATA_KEY, value);
         }
         request
     }
@@ -172,5 +175,28 @@ impl Shard for ShardGroup {
             let mut responses = all.await?;
             Ok(responses.swap_remove(0).into_inner())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn step_trace_goes_into_grpc_metadata() {
+        let trace = StepTrace {
+            traceparent: Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into()),
+            links: vec![
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-1111111111111111-01".into(),
+                "00-0af7651916cd43dd8448eb211c80319c-2222222222222222-01".into(),
+            ],
+        };
+        let request = trace.attach(());
+        let metadata = request.metadata();
+        assert_eq!(metadata.get("traceparent").unwrap(), trace.traceparent.as_deref().unwrap());
+        let links: Vec<&str> = metadata.get_all(LINK_METADATA_KEY).iter().map(|v| v.to_str().unwrap()).collect();
+        assert_eq!(links, trace.links);
+        // No context: no metadata at all.
+        assert!(StepTrace::default().attach(()).metadata().is_empty());
     }
 }

@@ -12,7 +12,8 @@
 //! - the handler side stops on a stop sequence (it owns the detokenizer):
 //!   it drops the stream, which the scheduler sees as a cancellation.
 
-use std::time::Instant;
+use std::ops::AddAssign;
+use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot};
 
@@ -182,8 +183,66 @@ pub struct SchedulerStats {
     pub prefix_hit_tokens: u64,
     pub prefix_lookup_tokens: u64,
     /// Token counts of recent traffic (`--cost-window-secs`).
-    pub window: crate::scheduler::WindowTotals,
+    pub window: WindowTotals,
 }
+
+/// Tokens seen in some interval.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TokenCounts {
+    /// Tokens the shards sampled (every one, including those of requests
+    /// that were cancelled or failed afterwards: they cost the same).
+    pub output: u64,
+    /// Prompt tokens looked up in the prefix cache, counted as
+    /// `sluice_prefix_cache_lookup_tokens_total` is (at each admission).
+    pub prompt: u64,
+    /// Of `prompt`, those whose KV came from the cache, counted as
+    /// `sluice_prefix_cache_hit_tokens_total` is.
+    pub cached_prompt: u64,
+}
+
+impl AddAssign for TokenCounts {
+    fn add_assign(&mut self, other: Self) {
+        self.output += other.output;
+        self.prompt += other.prompt;
+        self.cached_prompt += other.cached_prompt;
+    }
+}
+
+/// The sums of the scheduler's sliding window of recent traffic
+/// (scheduler/window.rs) at one instant.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct WindowTotals {
+    /// The configured window (`--cost-window-secs`).
+    pub span: Duration,
+    /// The time `counts` cover: see the module comment.
+    pub covered: Duration,
+    pub counts: TokenCounts,
+}
+
+impl WindowTotals {
+    /// None when the window covers no time yet.
+    pub fn output_tokens_per_second(&self) -> Option<f64> {
+        let secs = self.covered.as_secs_f64();
+        (secs > 0.0).then(|| self.counts.output as f64 / secs)
+    }
+
+    /// `hourly_cost / (output tokens/s * 3600) * 1e6`. None when the window
+    /// holds no output token: an idle server has no cost per token, and any
+    /// number would be made up.
+    pub fn dollars_per_million_output_tokens(&self, hourly_cost: f64) -> Option<f64> {
+        let per_second = self.output_tokens_per_second().filter(|&r| r > 0.0)?;
+        Some(hourly_cost / (per_second * 3600.0) * 1e6)
+    }
+
+    /// Share of the prompt tokens looked up that the prefix cache served, in
+    /// [0, 1]. None when nothing was looked up (no admission, or prefix
+    /// caching off).
+    pub fn prefix_cache_hit_ratio(&self) -> Option<f64> {
+        let TokenCounts { prompt, cached_prompt, .. } = self.counts;
+        (prompt > 0).then(|| cached_prompt as f64 / prompt as f64)
+    }
+}
+
 
 /// Cheap to clone; every handler holds one.
 #[derive(Clone)]

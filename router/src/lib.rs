@@ -2,45 +2,52 @@
 //!
 //! A request travels through the modules in this order:
 //!
-//! 1. `http`        - axum app: OpenAI and TGI routes, SSE, error mapping.
-//! 2. `validation`  - parses bodies into a [`infer::ValidRequest`]; owns the
-//!    tokenizer (`tokenizer`) and chat templates (`chat_template`).
-//! 3. `infer`       - the seam: handlers submit a `ValidRequest`, get a stream
-//!    of events back. Dropping the stream cancels the request.
-//! 4. `scheduler`   - one task owning the queue, running set, block allocator
-//!    (`blocks`) and prefix tree (`radix`); builds one `Step` at a time.
+//! 1. `http`        - axum app: OpenAI (`http::openai`) and TGI (`http::tgi`)
+//!    routes map bodies to parameters and shape answers; `http::generation`
+//!    drives every generation (submission, `n` choices, collected or
+//!    streamed results, usage); `http::error` maps every error to HTTP.
+//! 2. `validation`  - every check on client input: parses parameters and
+//!    prompts into a [`validation::Validated`] request; owns the tokenizer
+//!    (`tokenizer`) and chat templates (`chat_template`).
+//! 3. `infer`       - the contract between HTTP and the scheduler: handlers
+//!    submit a `ValidRequest` and get a stream of events back (dropping it
+//!    cancels the request); the value types both sides share.
+//! 4. `scheduler`   - one task owning the queue, the running set, the KV
+//!    blocks (`scheduler::blocks`, the allocator; `scheduler::radix`, the
+//!    prefix tree); builds one `Step` at a time.
 //! 5. `client`      - the gRPC client of the shard group (tonic, unix sockets).
 //! 6. back in `http`: `detokenize` turns tokens into text incrementally,
-//!    `stop` cuts stop sequences, responses are shaped per API.
+//!    `stop` cuts stop sequences, each API shapes its response.
 //!
 //! Structured output: `grammar` compiles constraints (JSON schema, regex,
 //! choice, Lark/GBNF) with llguidance at validation time; `tool_calls` turns
 //! declared tools into such a grammar and parses calls back out of the text.
 //!
-//! `fake_shard` is an in-process shard behind the same `client::Shard` trait,
-//! for tests. `metrics` records Prometheus series; `config` is the one typed
-//! configuration built from the command line at startup.
+//! Beside the path: `metrics` names and records every Prometheus series,
+//! `telemetry` sets up logs and traces, `config` is the one typed
+//! configuration built from the command line at startup, `cli` starts
+//! everything. `testing` holds test doubles (an in-process shard behind the
+//! same `client::Shard` trait).
 
 pub mod pb {
     //! Generated from proto/sluice/v1/shard.proto by build.rs.
     tonic::include_proto!("sluice.v1");
 }
 
-pub mod infer;
-pub mod blocks;
-pub mod client;
-pub mod fake_shard;
-pub mod radix;
-pub mod scheduler;
+pub mod http;
+pub mod validation;
+pub mod tokenizer;
 pub mod chat_template;
+pub mod infer;
+pub mod scheduler;
+pub mod client;
+pub mod detokenize;
+pub mod stop;
+pub mod grammar;
+pub mod tool_calls;
+
 pub mod cli;
 pub mod config;
-pub mod detokenize;
-pub mod grammar;
-pub mod http;
 pub mod metrics;
-pub mod stop;
 pub mod telemetry;
-pub mod tokenizer;
-pub mod tool_calls;
-pub mod validation;
+pub mod testing;

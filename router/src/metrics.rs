@@ -1,7 +1,9 @@
-//! Prometheus metrics. The recorder is process-global (the `metrics` crate's
-//! model), installed once; `/metrics` renders it. HTTP-level series are
-//! recorded here; the scheduler records its own series (queue, batch, KV
-//! blocks, prefix cache) with the `metrics` macros, all named `sluice_*`.
+//! Prometheus metrics: every series the router publishes is named, described
+//! and recorded here, all named `sluice_*`. The recorder is process-global
+//! (the `metrics` crate's model), installed once; `/metrics` renders it. The
+//! HTTP side and the scheduler report events as plain numbers through the
+//! functions below (requests, tokens and latencies; queue, batch, KV blocks,
+//! prefix cache, steps); without a recorder they are no-ops.
 //!
 //! The window gauges (price, cost per token, prefix-cache hit ratio over
 //! recent traffic) are not in the recorder: /metrics computes them from the
@@ -12,11 +14,11 @@
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use metrics::{counter, describe_counter, describe_histogram, histogram, Unit};
+use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Unit};
 use metrics_exporter_prometheus::formatting::{write_help_line, write_metric_line, write_type_line};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
-use crate::scheduler::WindowTotals;
+use crate::infer::WindowTotals;
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 
@@ -54,9 +56,43 @@ fn describe() {
     describe_histogram!("sluice_request_generated_tokens", "Generated tokens per successful request");
     describe_counter!("sluice_prompt_tokens_total", "Prompt tokens of successful requests");
     describe_counter!("sluice_generated_tokens_total", "Tokens generated for successful requests");
-    counter!("sluice_prompt_tokens_total").increment(0);
-    counter!("sluice_generated_tokens_total").increment(0);
+    describe_gauge!("sluice_queue_size", "Requests waiting for admission");
+    describe_gauge!("sluice_batch_current_size", "Requests in the running batch");
+    describe_gauge!("sluice_kv_blocks_capacity", "KV cache blocks the scheduler may hand out (capacity)");
+    describe_gauge!(
+        "sluice_kv_cache_usage_ratio",
+        "KV blocks held by running requests / capacity, in [0, 1] (what an endpoint picker reads)"
+    );
+    describe_gauge!("sluice_kv_blocks_used", "KV blocks referenced by running requests");
+    describe_gauge!("sluice_kv_blocks_cached", "KV blocks held only by the prefix cache (evictable)");
+    describe_gauge!("sluice_kv_blocks_free", "KV blocks on the free list");
+    describe_gauge!("sluice_prefix_cache_tree_blocks", "Blocks in the prefix tree");
+    describe_counter!("sluice_prefix_cache_hit_tokens_total", "Prompt tokens served from the prefix cache");
+    describe_counter!("sluice_prefix_cache_lookup_tokens_total", "Prompt tokens looked up in the prefix cache");
+    describe_counter!("sluice_prefix_cache_evicted_blocks_total", "Cached blocks evicted to make room");
+    describe_counter!("sluice_preemptions_total", "Running requests preempted for lack of KV blocks");
+    describe_counter!("sluice_scheduler_steps_total", "Steps sent to the shards");
+    describe_counter!("sluice_step_failures_total", "Steps whose RPC failed");
+    describe_histogram!("sluice_step_duration_seconds", Unit::Seconds, "Time of one Step RPC");
+    describe_histogram!("sluice_batch_tokens", "Tokens computed per step");
+    describe_histogram!("sluice_batch_size", "Requests per step");
+    // Counters exist (at 0) before their first event, so rates and alerts
+    // see them from the start.
+    for name in [
+        "sluice_prompt_tokens_total",
+        "sluice_generated_tokens_total",
+        "sluice_prefix_cache_hit_tokens_total",
+        "sluice_prefix_cache_lookup_tokens_total",
+        "sluice_prefix_cache_evicted_blocks_total",
+        "sluice_preemptions_total",
+        "sluice_scheduler_steps_total",
+        "sluice_step_failures_total",
+    ] {
+        counter!(name).increment(0);
+    }
 }
+
+// -- HTTP side ------------------------------------------------------------
 
 /// One finished HTTP request. `outcome` is "success" or an error class.
 pub fn request_finished(endpoint: &'static str, outcome: &'static str, duration: Duration) {
@@ -82,6 +118,64 @@ pub fn tokens(prompt: usize, generated: u32) {
     counter!("sluice_prompt_tokens_total").increment(prompt as u64);
     counter!("sluice_generated_tokens_total").increment(u64::from(generated));
 }
+
+// -- scheduler --------------------------------------------------------------
+
+/// What the scheduler holds after a change.
+#[derive(Debug, Clone, Copy)]
+pub struct Occupancy {
+    pub waiting: usize,
+    pub running: usize,
+    pub blocks_total: u32,
+    pub blocks_free: u32,
+    /// Held only by the prefix tree (evictable).
+    pub blocks_cached: u32,
+    pub tree_blocks: usize,
+}
+
+pub fn occupancy(o: Occupancy) {
+    gauge!("sluice_queue_size").set(o.waiting as f64);
+    gauge!("sluice_batch_current_size").set(o.running as f64);
+    gauge!("sluice_kv_blocks_capacity").set(f64::from(o.blocks_total));
+    gauge!("sluice_kv_blocks_free").set(f64::from(o.blocks_free));
+    gauge!("sluice_kv_blocks_cached").set(f64::from(o.blocks_cached));
+    let used = o.blocks_total.saturating_sub(o.blocks_free + o.blocks_cached);
+    gauge!("sluice_kv_blocks_used").set(f64::from(used));
+    // Cached-only blocks are evictable on demand, so they count as free (as
+    // vLLM's kv_cache_usage_perc counts them).
+    let ratio = if o.blocks_total == 0 { 0.0 } else { f64::from(used) / f64::from(o.blocks_total) };
+    gauge!("sluice_kv_cache_usage_ratio").set(ratio);
+    gauge!("sluice_prefix_cache_tree_blocks").set(o.tree_blocks as f64);
+}
+
+/// A Step RPC returned (successfully or not) after `elapsed`.
+pub fn step_finished(elapsed: Duration, batch_size: usize, tokens: usize) {
+    counter!("sluice_scheduler_steps_total").increment(1);
+    histogram!("sluice_step_duration_seconds").record(elapsed.as_secs_f64());
+    histogram!("sluice_batch_tokens").record(tokens as f64);
+    histogram!("sluice_batch_size").record(batch_size as f64);
+}
+
+pub fn step_failed() {
+    counter!("sluice_step_failures_total").increment(1);
+}
+
+/// A prompt of `tokens` tokens was looked up in the prefix cache, `hit` of
+/// them served from it.
+pub fn prefix_lookup(tokens: u64, hit: u64) {
+    counter!("sluice_prefix_cache_lookup_tokens_total").increment(tokens);
+    counter!("sluice_prefix_cache_hit_tokens_total").increment(hit);
+}
+
+pub fn blocks_evicted(blocks: u64) {
+    counter!("sluice_prefix_cache_evicted_blocks_total").increment(blocks);
+}
+
+pub fn preempted() {
+    counter!("sluice_preemptions_total").increment(1);
+}
+
+// -- /metrics ---------------------------------------------------------------
 
 /// Appends the window gauges to a rendered exposition, in the recorder's
 /// format. A gauge whose value is undefined is left out rather than given a
@@ -124,7 +218,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::scheduler::TokenCounts;
+    use crate::infer::TokenCounts;
 
     fn window(output: u64, prompt: u64, cached_prompt: u64) -> WindowTotals {
         WindowTotals {

@@ -10,7 +10,7 @@
 //! ```text
 //!  http_request (POST /v1/chat/completions)   <- parent: the caller's span
 //!  ├── tokenize / validate                    (validation.rs)
-//!  └── generation (gen_ai.* attributes)       one per choice
+//!  └── generation (gen_ai.* attributes)       one per choice (http/generation.rs)
 //!      ├── queue                              submit -> first scheduled
 //!      └── step                               only when it is the step's
 //!          └── shard step (Python)            first request; other requests
@@ -46,9 +46,6 @@ use tracing_subscriber::Layer;
 /// Request spans a step links to (and sends to the shards): gRPC metadata is
 /// capped at 8 KiB by default and one entry is about 70 bytes.
 pub const MAX_STEP_LINKS: usize = 32;
-
-/// gRPC metadata key of the request spans a step serves (repeated).
-pub const LINK_METADATA_KEY: &str = "sluice-link-traceparent";
 
 static ENABLED: AtomicBool = AtomicBool::new(false);
 
@@ -245,23 +242,6 @@ pub async fn trace_http(request: axum::extract::Request, next: axum::middleware:
     response
 }
 
-/// The span of one generated sequence, with the GenAI request attributes.
-/// Usage and outcome attributes are added by the HTTP side's `Generation`
-/// as events arrive.
-pub fn generation_span(model: &str, request: &crate::infer::ValidRequest) -> tracing::Span {
-    let span = tracing::info_span!("generation", otel.name = %format!("chat {model}"));
-    if enabled() {
-        span.set_attribute("gen_ai.operation.name", "chat");
-        span.set_attribute("gen_ai.request.model", model.to_string());
-        span.set_attribute("gen_ai.request.max_tokens", i64::from(request.max_new_tokens));
-        span.set_attribute("gen_ai.request.temperature", f64::from(request.params.temperature));
-        span.set_attribute("gen_ai.request.top_p", f64::from(request.params.top_p));
-        span.set_attribute("gen_ai.request.seed", request.params.seed as i64);
-        span.set_attribute("gen_ai.usage.input_tokens", request.input_ids.len() as i64);
-    }
-    span
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -311,23 +291,5 @@ mod tests {
         let a = log_trace_id(TraceId::INVALID, None);
         let b = log_trace_id(TraceId::INVALID, None);
         assert!(a != TraceId::INVALID && a != b);
-    }
-
-    #[test]
-    fn step_trace_goes_into_grpc_metadata() {
-        let trace = crate::client::StepTrace {
-            traceparent: Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into()),
-            links: vec![
-                "00-4bf92f3577b34da6a3ce929d0e0e4736-1111111111111111-01".into(),
-                "00-0af7651916cd43dd8448eb211c80319c-2222222222222222-01".into(),
-            ],
-        };
-        let request = trace.attach(());
-        let metadata = request.metadata();
-        assert_eq!(metadata.get("traceparent").unwrap(), trace.traceparent.as_deref().unwrap());
-        let links: Vec<&str> = metadata.get_all(LINK_METADATA_KEY).iter().map(|v| v.to_str().unwrap()).collect();
-        assert_eq!(links, trace.links);
-        // No context: no metadata at all.
-        assert!(crate::client::StepTrace::default().attach(()).metadata().is_empty());
     }
 }

@@ -1,9 +1,16 @@
 //! Turns API-neutral generation parameters into an [`infer::ValidRequest`].
 //! Every check on client input lives here; nothing past this module sees an
 //! unchecked value. Both APIs first map their body into
-//! [`GenerateParameters`] (their own defaults applied), then call
-//! [`Validation::validate`]. Failures are one enum, [`ValidationError`],
-//! mapped to HTTP in `http::error`.
+//! [`GenerateParameters`] (their own defaults applied, their own field names
+//! for error messages), then call [`Validation::validate_prompts`] (or
+//! [`Validation::tokenize`] + [`Validation::validate`]). Failures are one
+//! enum, [`ValidationError`], mapped to HTTP in `http::error`.
+//!
+//! Order of the checks, so that a request with several faults always gets
+//! the same answer: the model name (the handler asks first), the request's
+//! shape (`n`, `best_of`, `grammar`, `top_logprobs` without `logprobs`, a
+//! TGI temperature <= 0), the prompt (empty, unknown tokens, too long), then
+//! lengths and every sampling range.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -69,7 +76,7 @@ fn out_of_range(field: &str, message: impl Into<String>) -> ValidationError {
 
 /// The router's limits on requests (from the command line and Warmup).
 #[derive(Debug, Clone)]
-pub struct Limits {
+pub struct RequestLimits {
     pub max_input_tokens: u32,
     pub max_total_tokens: u32,
     pub max_stop_sequences: u32,
@@ -92,8 +99,23 @@ pub struct GenerationDefaults {
 /// A prompt before tokenization.
 #[derive(Debug, Clone)]
 pub enum Prompt {
+    /// Raw text: gets the tokenizer's special tokens (BOS).
     Text(String),
+    /// A chat template's output: it spells its special tokens already.
+    Chat(String),
     Tokens(Vec<u64>),
+}
+
+/// How an API chooses between greedy decoding and sampling.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Decoding {
+    /// OpenAI: sample at `temperature` (the API's default applied by its
+    /// handler); 0 or none is greedy.
+    #[default]
+    ByTemperature,
+    /// TGI: greedy unless `do_sample` or a warper (temperature != 1, top_k,
+    /// top_p, typical_p) is given; a temperature given must be > 0.
+    GreedyUnless { do_sample: bool },
 }
 
 /// One request's parameters in API-neutral form. `None` means "not given".
@@ -103,8 +125,19 @@ pub struct GenerateParameters {
     pub max_new_tokens: Option<u64>,
     /// The API's name for `max_new_tokens` ("max_tokens", ...).
     pub max_new_tokens_field: &'static str,
-    /// 0 is greedy.
-    pub temperature: f32,
+    /// Prefix of the fields an API nests (TGI's `parameters.`), for the
+    /// errors about `best_of` and `grammar`.
+    pub field_prefix: &'static str,
+    /// Independent choices per prompt (OpenAI `n`), in [1, max_n].
+    pub n: u32,
+    /// Candidates per choice; only 1 is supported.
+    pub best_of: Option<u32>,
+    /// A grammar the output must follow (TGI `grammar`, null already
+    /// dropped); not supported yet.
+    pub grammar: Option<serde_json::Value>,
+    /// As the API's handler resolved it; see [`Decoding`]. None: greedy.
+    pub temperature: Option<f32>,
+    pub decoding: Decoding,
     /// Inclusive upper bound on temperature (2 for OpenAI).
     pub max_temperature: f32,
     /// 0 or -1: off.
@@ -122,6 +155,8 @@ pub struct GenerateParameters {
     pub logprobs: bool,
     pub top_n_tokens: u32,
     pub top_n_tokens_field: &'static str,
+    /// OpenAI chat: `top_logprobs` needs `logprobs: true`.
+    pub top_n_tokens_needs_logprobs: bool,
     pub prompt_logprobs: bool,
     pub ignore_eos: bool,
     pub min_tokens: u32,
@@ -134,7 +169,12 @@ impl Default for GenerateParameters {
         Self {
             max_new_tokens: None,
             max_new_tokens_field: "max_tokens",
-            temperature: 0.0,
+            field_prefix: "",
+            n: 1,
+            best_of: None,
+            grammar: None,
+            temperature: None,
+            decoding: Decoding::ByTemperature,
             max_temperature: f32::MAX,
             top_k: None,
             top_p: None,
@@ -149,6 +189,7 @@ impl Default for GenerateParameters {
             logprobs: false,
             top_n_tokens: 0,
             top_n_tokens_field: "top_n_tokens",
+            top_n_tokens_needs_logprobs: false,
             prompt_logprobs: false,
             ignore_eos: false,
             min_tokens: 0,
@@ -162,18 +203,90 @@ impl Default for GenerateParameters {
 pub struct Validated {
     pub request: ValidRequest,
     pub stop: Vec<String>,
+    /// Independent choices to generate from this prompt.
+    pub n: u32,
 }
 
 pub struct Validation {
     pub tokenizer: Tokenizer,
     pub chat_template: Option<Arc<ChatTemplate>>,
-    pub limits: Limits,
+    pub limits: RequestLimits,
     /// Token ids must be below this (the LM head's rows).
     pub vocab_size: u32,
     pub defaults: GenerationDefaults,
+    /// Names a request's `model` may take: the served name first, then the
+    /// model id.
+    pub model_names: Vec<String>,
 }
 
 impl Validation {
+    /// The name responses give the model.
+    pub fn served_model_name(&self) -> &str {
+        &self.model_names[0]
+    }
+
+    /// Accepts no name, the served name, the model id, and the placeholders
+    /// huggingface_hub's InferenceClient sends when given a server URL
+    /// instead of a model ("tgi", "dummy").
+    pub fn check_model(&self, model: Option<&str>) -> Result<(), ValidationError> {
+        const CLIENT_PLACEHOLDERS: [&str; 2] = ["tgi", "dummy"];
+        match model {
+            None => Ok(()),
+            Some(m) if CLIENT_PLACEHOLDERS.contains(&m) || self.model_names.iter().any(|n| n == m) => Ok(()),
+            Some(m) => Err(ValidationError::ModelNotFound(m.to_string())),
+        }
+    }
+
+    /// Tokenizes and validates every prompt of a request (`field` names the
+    /// prompt field; a list's entries are named `field[i]`).
+    pub fn validate_prompts(
+        &self,
+        prompts: &[Prompt],
+        field: &str,
+        params: &GenerateParameters,
+    ) -> Result<Vec<Validated>, ValidationError> {
+        self.check_shape(params)?;
+        if prompts.is_empty() {
+            return Err(ValidationError::Empty { field: field.into() });
+        }
+        prompts
+            .iter()
+            .enumerate()
+            .map(|(i, prompt)| {
+                let field = if prompts.len() > 1 { format!("{field}[{i}]") } else { field.to_string() };
+                let ids = self.tokenize(prompt, &field, true)?;
+                self.validate_lengths_and_ranges(ids, &field, params.clone())
+            })
+            .collect()
+    }
+
+    /// What the request asks for as a whole, before its prompt is looked at.
+    fn check_shape(&self, p: &GenerateParameters) -> Result<(), ValidationError> {
+        if p.n == 0 || p.n > self.limits.max_n {
+            return Err(out_of_range("n", format!("must be in [1, {}]", self.limits.max_n)));
+        }
+        let unsupported = |field: &str, message: &str| ValidationError::Unsupported {
+            field: format!("{}{field}", p.field_prefix),
+            message: message.into(),
+        };
+        if p.best_of.is_some_and(|b| b != 1) {
+            return Err(unsupported("best_of", "only 1 is supported"));
+        }
+        if p.grammar.is_some() {
+            return Err(unsupported("grammar", "grammars are not supported"));
+        }
+        if p.top_n_tokens_needs_logprobs && p.top_n_tokens > 0 && !p.logprobs {
+            return Err(ValidationError::Unsupported {
+                field: p.top_n_tokens_field.into(),
+                message: "requires `logprobs: true`".into(),
+            });
+        }
+        if matches!(p.decoding, Decoding::GreedyUnless { .. }) && p.temperature.is_some_and(|t| t <= 0.0) {
+            return Err(out_of_range("temperature", "must be strictly positive"));
+        }
+        Ok(())
+    }
+
     #[tracing::instrument(level = "debug", name = "render_chat", skip_all)]
     pub fn render_chat(&self, messages: &[TemplateMessage]) -> Result<String, ValidationError> {
         if messages.is_empty() {
@@ -188,8 +301,9 @@ impl Validation {
         })
     }
 
-    /// Prompt token ids. Raw text gets the tokenizer's special tokens (BOS);
-    /// chat-template output must not (it spells them already).
+    /// Prompt token ids. Raw text gets the tokenizer's special tokens (BOS)
+    /// when `add_special_tokens`; chat-template output never does (it spells
+    /// them already).
     #[tracing::instrument(level = "debug", name = "tokenize", skip_all)]
     pub fn tokenize(
         &self,
@@ -198,10 +312,11 @@ impl Validation {
         add_special_tokens: bool,
     ) -> Result<Vec<u32>, ValidationError> {
         let ids = match prompt {
-            Prompt::Text(text) => {
+            Prompt::Text(text) | Prompt::Chat(text) => {
                 if text.is_empty() {
                     return Err(ValidationError::Empty { field: field.into() });
                 }
+                let add_special_tokens = add_special_tokens && matches!(prompt, Prompt::Text(_));
                 self.tokenizer
                     .encode(text, add_special_tokens)
                     .map_err(|e| ValidationError::Tokenizer(e.to_string()))?
@@ -232,6 +347,16 @@ impl Validation {
     /// field in messages ("prompt", "messages", "inputs").
     #[tracing::instrument(level = "debug", name = "validate", skip_all)]
     pub fn validate(
+        &self,
+        input_ids: Vec<u32>,
+        input_field: &str,
+        params: GenerateParameters,
+    ) -> Result<Validated, ValidationError> {
+        self.check_shape(&params)?;
+        self.validate_lengths_and_ranges(input_ids, input_field, params)
+    }
+
+    fn validate_lengths_and_ranges(
         &self,
         mut input_ids: Vec<u32>,
         input_field: &str,
@@ -317,6 +442,7 @@ impl Validation {
                 arrived: Instant::now(),
             },
             stop: params.stop,
+            n: params.n,
         })
     }
 
@@ -328,7 +454,21 @@ impl Validation {
                 Err(out_of_range(field, "must be a finite number"))
             }
         };
-        let temperature = finite("temperature", p.temperature)?;
+        let temperature = match p.decoding {
+            Decoding::ByTemperature => p.temperature.unwrap_or(0.0),
+            Decoding::GreedyUnless { do_sample } => {
+                let warped = p.temperature.is_some_and(|t| t != 1.0)
+                    || p.top_k.is_some()
+                    || p.top_p.is_some()
+                    || p.typical_p.is_some();
+                if do_sample || warped {
+                    p.temperature.unwrap_or(1.0)
+                } else {
+                    0.0
+                }
+            }
+        };
+        let temperature = finite("temperature", temperature)?;
         if temperature < 0.0 || temperature > p.max_temperature {
             let upper = if p.max_temperature == f32::MAX {
                 String::new()
@@ -412,7 +552,7 @@ pub(crate) mod tests {
                 )
                 .unwrap(),
             )),
-            limits: Limits {
+            limits: RequestLimits {
                 max_input_tokens: 10,
                 max_total_tokens: 16,
                 max_stop_sequences: 2,
@@ -421,6 +561,7 @@ pub(crate) mod tests {
             },
             vocab_size: 267,
             defaults: GenerationDefaults::default(),
+            model_names: vec!["tiny".into(), "org/tiny".into()],
         }
     }
 
@@ -461,9 +602,9 @@ pub(crate) mod tests {
     #[test]
     fn ranges_name_the_field() {
         let cases: Vec<(GenerateParameters, &str)> = vec![
-            (GenerateParameters { temperature: -0.5, ..Default::default() }, "temperature"),
-            (GenerateParameters { temperature: 2.5, max_temperature: 2.0, ..Default::default() }, "temperature"),
-            (GenerateParameters { temperature: f32::NAN, ..Default::default() }, "temperature"),
+            (GenerateParameters { temperature: Some(-0.5), ..Default::default() }, "temperature"),
+            (GenerateParameters { temperature: Some(2.5), max_temperature: 2.0, ..Default::default() }, "temperature"),
+            (GenerateParameters { temperature: Some(f32::NAN), ..Default::default() }, "temperature"),
             (GenerateParameters { top_p: Some(0.0), ..Default::default() }, "top_p"),
             (GenerateParameters { top_p: Some(1.5), ..Default::default() }, "top_p"),
             (GenerateParameters { top_k: Some(-2), ..Default::default() }, "top_k"),
@@ -500,7 +641,7 @@ pub(crate) mod tests {
         let v = check(
             vec![5],
             GenerateParameters {
-                temperature: 0.7,
+                temperature: Some(0.7),
                 top_k: Some(-1),
                 top_p: Some(1.0),
                 seed: Some(42),
@@ -514,6 +655,73 @@ pub(crate) mod tests {
         assert_eq!((p.temperature, p.top_k, p.top_p, p.seed), (0.7, 0, 1.0, 42));
         assert_eq!(p.logit_bias, [(7, -100.0)]);
         assert!(v.request.logprobs);
+    }
+
+    #[test]
+    fn request_shape_is_checked_first() {
+        let v = validation();
+        let tgi = GenerateParameters { field_prefix: "parameters.", ..Default::default() };
+        let cases: Vec<(GenerateParameters, &str)> = vec![
+            (GenerateParameters { n: 0, ..Default::default() }, "n"),
+            (GenerateParameters { n: 5, ..Default::default() }, "n"),
+            (GenerateParameters { best_of: Some(2), ..Default::default() }, "best_of"),
+            (GenerateParameters { best_of: Some(2), ..tgi.clone() }, "parameters.best_of"),
+            (GenerateParameters { grammar: Some(serde_json::json!({"type": "json"})), ..tgi.clone() }, "parameters.grammar"),
+            (
+                GenerateParameters {
+                    top_n_tokens: 2,
+                    top_n_tokens_field: "top_logprobs",
+                    top_n_tokens_needs_logprobs: true,
+                    ..Default::default()
+                },
+                "top_logprobs",
+            ),
+            (
+                GenerateParameters { temperature: Some(0.0), decoding: Decoding::GreedyUnless { do_sample: true }, ..tgi },
+                "temperature",
+            ),
+        ];
+        for (params, field) in cases {
+            // An empty prompt would fail too: the request's shape is named first.
+            let err = v.validate_prompts(&[Prompt::Text(String::new())], "prompt", &params).expect_err(field);
+            assert_eq!(err.param(), Some(field), "{err}");
+        }
+        let fine = GenerateParameters { best_of: Some(1), n: 4, ..Default::default() };
+        assert_eq!(v.validate_prompts(&[Prompt::Text("hi".into())], "prompt", &fine).unwrap()[0].n, 4);
+    }
+
+    #[test]
+    fn tgi_decoding_is_greedy_unless_asked_to_sample() {
+        let v = validation();
+        let temperature = |decoding: Decoding, temperature: Option<f32>, top_k: Option<i64>| {
+            let params = GenerateParameters { decoding, temperature, top_k, ..Default::default() };
+            v.validate_prompts(&[Prompt::Text("hi".into())], "inputs", &params).unwrap()[0].request.params.temperature
+        };
+        let greedy = Decoding::GreedyUnless { do_sample: false };
+        assert_eq!(temperature(greedy, None, None), 0.0);
+        assert_eq!(temperature(greedy, Some(1.0), None), 0.0, "temperature 1 is no warper");
+        assert_eq!(temperature(greedy, Some(0.5), None), 0.5);
+        assert_eq!(temperature(greedy, None, Some(5)), 1.0);
+        assert_eq!(temperature(Decoding::GreedyUnless { do_sample: true }, None, None), 1.0);
+        assert_eq!(temperature(Decoding::ByTemperature, Some(0.7), None), 0.7);
+        assert_eq!(temperature(Decoding::ByTemperature, None, None), 0.0);
+    }
+
+    #[test]
+    fn prompt_lists_name_each_entry() {
+        let v = validation();
+        let params = GenerateParameters::default();
+        let err = v.validate_prompts(&[], "prompt", &params).unwrap_err();
+        assert!(matches!(err, ValidationError::Empty { .. }) && err.param() == Some("prompt"));
+        let prompts = [Prompt::Tokens(vec![5]), Prompt::Tokens(vec![5, 300])];
+        let err = v.validate_prompts(&prompts, "prompt", &params).unwrap_err();
+        assert_eq!(err.param(), Some("prompt[1]"));
+        // Chat-template output gets no BOS; raw text does.
+        let chat = v.validate_prompts(&[Prompt::Chat("hi".into())], "messages", &params).unwrap();
+        let text = v.validate_prompts(&[Prompt::Text("hi".into())], "prompt", &params).unwrap();
+        assert_eq!(text[0].request.input_ids[1..], chat[0].request.input_ids[..]);
+        assert_eq!(v.check_model(Some("gpt-4")).unwrap_err().param(), Some("model"));
+        assert!(v.check_model(Some("org/tiny")).is_ok() && v.check_model(Some("tgi")).is_ok() && v.check_model(None).is_ok());
     }
 
     #[test]

@@ -12,8 +12,8 @@
 use std::collections::HashMap;
 
 use proptest::prelude::*;
-use sluice_router::blocks::{BlockAllocator, BlockId};
-use sluice_router::radix::RadixTree;
+use sluice_router::scheduler::blocks::{BlockAllocator, BlockId};
+use sluice_router::scheduler::radix::RadixTree;
 
 const BS: usize = 4;
 const NUM_BLOCKS: u32 = 24;

@@ -5,7 +5,7 @@ mod scheduler_support;
 use scheduler_support::*;
 use sluice_router::pb::NewRequest;
 
-fn new_request(handle: &sluice_router::fake_shard::FakeShardHandle, id: u64) -> NewRequest {
+fn new_request(handle: &sluice_router::testing::fake_shard::FakeShardHandle, id: u64) -> NewRequest {
     handle
         .steps()
         .iter()

@@ -3,6 +3,8 @@
 //! and TGI's `{"error": "...", "error_type": "..."}`; the status codes
 //! follow each API's habits (validation is 400 for OpenAI, 422 for TGI).
 
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -180,6 +182,25 @@ impl IntoResponse for TgiError {
         let body = Json(self.0.tgi_body()).into_response();
         self.0.finish(self.0.tgi_status(), body)
     }
+}
+
+/// The body as bytes, with an oversized body reported in our error shape.
+pub fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|rejection| {
+        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::PayloadTooLarge(0)
+        } else {
+            ApiError::Validation(ValidationError::Body {
+                field: None,
+                message: rejection.body_text(),
+            })
+        }
+    })
+}
+
+/// A handler's body as `T`: [`body_bytes`], then [`parse_json`].
+pub fn parse_body<T: serde::de::DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
+    parse_json(&body_bytes(body)?)
 }
 
 /// Parses a JSON body, naming the offending field on failure

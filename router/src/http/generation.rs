@@ -1,17 +1,42 @@
-//! Drives one request: reads the scheduler's [`InferEvent`]s, detokenizes,
-//! cuts stop sequences and yields [`GenEvent`]s that both APIs shape into
-//! their responses. Dropping a `Generation` drops its `InferStream`, which
+//! The generation driver, shared by every generation endpoint (OpenAI's and
+//! TGI's): a handler hands it validated requests and gets back either the
+//! collected results or an SSE stream in its API's shape.
+//!
+//! ```text
+//!  handler ── Vec<Validated>, n ──► Choices::submit: n sequences per prompt (seeds s, s+1, ..),
+//!                                   all queued before answering (overload is a 429, not a
+//!                                   broken stream)
+//!           ◄── collect() ───────── Vec<Collected> + TokenUsage          (buffered responses)
+//!           ◄── sse(shape) ──────── merged (choice, GenEvent) ─► StreamShape ─► SSE events
+//! ```
+//!
+//! Each sequence is a [`Generation`]: it reads the scheduler's
+//! [`InferEvent`]s, detokenizes, cuts stop sequences and yields
+//! [`GenEvent`]s. Dropping a `Generation` drops its `InferStream`, which
 //! cancels the request in the scheduler (client gone, stop sequence hit).
+//!
+//! Usage is counted once, here, for every API, as OpenAI and vLLM count it
+//! ([`TokenUsage`]): a prompt's tokens (and its cached tokens) count once
+//! however many choices (`n`) it has; completion tokens are summed over every
+//! choice.
 
 use std::time::Instant;
 
+use axum::response::sse::Event;
+use axum::response::Response;
+use futures::StreamExt;
+use tracing::Instrument;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
+
 use crate::detokenize::Detokenizer;
 use crate::http::error::ApiError;
-use crate::infer::{FinishReason, GeneratedToken, InferError, InferEvent, InferStream, TokenLogprob};
+use crate::http::sse::sse_response;
+use crate::http::state::AppState;
+use crate::infer::{FinishReason, GeneratedToken, InferError, InferEvent, InferStream, TokenLogprob, ValidRequest};
 use crate::metrics;
 use crate::stop::{StopMatcher, StopOutcome};
 use crate::tokenizer::Tokenizer;
-use tracing_opentelemetry::OpenTelemetrySpanExt;
+use crate::validation::Validated;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Finish {
@@ -84,7 +109,7 @@ impl Generation {
         }
     }
 
-    /// Records usage and outcome on `span` (see `telemetry::generation_span`).
+    /// Records usage and outcome on `span` (see [`generation_span`]).
     pub fn traced(mut self, span: tracing::Span) -> Self {
         self.span = span;
         self
@@ -252,6 +277,156 @@ pub struct Collected {
     pub prompt_logprobs: Vec<TokenLogprob>,
 }
 
+/// Token counts of one HTTP request, as OpenAI and vLLM count them:
+///
+/// | field | counts |
+/// |---|---|
+/// | `prompt_tokens` | every prompt's tokens, once per prompt, whatever its `n` |
+/// | `cached_tokens` | every prompt's tokens served from the prefix cache, once per prompt (as its first choice found them) |
+/// | `completion_tokens` | the generated tokens of every choice |
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TokenUsage {
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    pub cached_tokens: u32,
+}
+
+/// Every sequence one HTTP request asked for: `n` choices of each prompt, in
+/// choice order (choice index = prompt index * n + j, as OpenAI numbers them).
+pub struct Choices {
+    generations: Vec<Generation>,
+    /// Per choice: whether it is its prompt's first (its Prefill's cached
+    /// count is the prompt's).
+    first_of_prompt: Vec<bool>,
+    prompt_tokens: u32,
+}
+
+impl Choices {
+    /// Submits `n` copies of every prompt (copy j samples with seed + j),
+    /// every one before answering, so overload is an HTTP 429 and not an
+    /// error inside a stream.
+    pub async fn submit(state: &AppState, prompts: Vec<Validated>) -> Result<Self, ApiError> {
+        let count = prompts.iter().map(|p| p.n as usize).sum();
+        let mut choices = Self {
+            generations: Vec::with_capacity(count),
+            first_of_prompt: Vec::with_capacity(count),
+            prompt_tokens: prompts.iter().map(|p| p.request.input_ids.len() as u32).sum(),
+        };
+        for prompt in prompts {
+            for j in 0..prompt.n {
+                let mut request = prompt.request.clone();
+                request.params.seed = prompt.request.params.seed.wrapping_add(u64::from(j));
+                let generation = submit_one(state, request, prompt.stop.clone()).await?;
+                choices.generations.push(generation);
+                choices.first_of_prompt.push(j == 0);
+            }
+        }
+        Ok(choices)
+    }
+
+    /// Runs every choice to its end (buffered responses); counts the request
+    /// as a success in `record`.
+    pub async fn collect(self, record: &mut RequestRecord) -> Result<(Vec<Collected>, TokenUsage), ApiError> {
+        let mut usage = TokenUsage { prompt_tokens: self.prompt_tokens, ..Default::default() };
+        let results = futures::future::try_join_all(self.generations.into_iter().map(Generation::collect)).await?;
+        for (result, first) in results.iter().zip(&self.first_of_prompt) {
+            usage.completion_tokens += result.generated_tokens;
+            if *first {
+                usage.cached_tokens += result.cached_tokens;
+            }
+        }
+        record.succeeded(usage);
+        Ok((results, usage))
+    }
+
+    /// Streams every choice's events, merged as they come, through `shape`
+    /// into an SSE response; `record` counts the request when the stream ends.
+    pub fn sse(self, mut shape: impl StreamShape, mut record: RequestRecord) -> Response {
+        let mut usage = TokenUsage { prompt_tokens: self.prompt_tokens, ..Default::default() };
+        let first_of_prompt = self.first_of_prompt;
+        let mut merged = futures::stream::select_all(
+            self.generations
+                .into_iter()
+                .enumerate()
+                .map(|(i, g)| g.into_stream().map(move |event| (i, event))),
+        );
+        let events = async_stream::stream! {
+            for event in shape.start() {
+                yield event;
+            }
+            while let Some((index, event)) = merged.next().await {
+                match event {
+                    Ok(event) => {
+                        match &event {
+                            GenEvent::Prefill { cached_tokens, .. } if first_of_prompt[index] => {
+                                usage.cached_tokens += cached_tokens;
+                            }
+                            GenEvent::End { generated_tokens, .. } => usage.completion_tokens += generated_tokens,
+                            _ => {}
+                        }
+                        if let Some(event) = shape.event(index, event) {
+                            yield event;
+                        }
+                    }
+                    Err(error) => {
+                        record.failed(&error);
+                        for event in shape.fail(&error) {
+                            yield event;
+                        }
+                        return;
+                    }
+                }
+            }
+            record.succeeded(usage);
+            for event in shape.finish(usage) {
+                yield event;
+            }
+        };
+        sse_response(events)
+    }
+}
+
+/// How an API turns the merged events of its choices into SSE events.
+pub trait StreamShape: Send + 'static {
+    /// Sent before any token (completions' echoed prompts).
+    fn start(&mut self) -> Vec<Event> {
+        Vec::new()
+    }
+
+    /// The event, if any, for one event of choice `index`.
+    fn event(&mut self, index: usize, event: GenEvent) -> Option<Event>;
+
+    /// After every choice ended.
+    fn finish(&mut self, usage: TokenUsage) -> Vec<Event>;
+
+    /// A choice failed: the stream ends after these.
+    fn fail(&mut self, error: &ApiError) -> Vec<Event>;
+}
+
+async fn submit_one(state: &AppState, request: ValidRequest, stop: Vec<String>) -> Result<Generation, ApiError> {
+    let arrived = request.arrived;
+    let span = generation_span(state.served_model_name(), &request);
+    let stream = state.infer.generate(request).instrument(span.clone()).await?;
+    Ok(Generation::new(stream, state.validation.tokenizer.clone(), stop, arrived).traced(span))
+}
+
+/// The span of one generated sequence, with the GenAI request attributes.
+/// Usage and outcome attributes are added by its [`Generation`] as events
+/// arrive (see telemetry.rs for the span tree).
+pub fn generation_span(model: &str, request: &ValidRequest) -> tracing::Span {
+    let span = tracing::info_span!("generation", otel.name = %format!("chat {model}"));
+    if crate::telemetry::enabled() {
+        span.set_attribute("gen_ai.operation.name", "chat");
+        span.set_attribute("gen_ai.request.model", model.to_string());
+        span.set_attribute("gen_ai.request.max_tokens", i64::from(request.max_new_tokens));
+        span.set_attribute("gen_ai.request.temperature", f64::from(request.params.temperature));
+        span.set_attribute("gen_ai.request.top_p", f64::from(request.params.top_p));
+        span.set_attribute("gen_ai.request.seed", request.params.seed as i64);
+        span.set_attribute("gen_ai.usage.input_tokens", request.input_ids.len() as i64);
+    }
+    span
+}
+
 /// Counts a request in `sluice_requests_total` when dropped: an HTTP
 /// request whose stream the client abandoned is recorded as "cancelled".
 pub struct RequestRecord {
@@ -293,10 +468,18 @@ impl RequestRecord {
         std::mem::replace(self, inert)
     }
 
-    pub fn succeeded(&mut self, prompt_tokens: usize, generated_tokens: u32) {
+    pub fn succeeded(&mut self, usage: TokenUsage) {
         self.outcome = "success";
-        self.prompt_tokens += prompt_tokens;
-        self.generated_tokens += generated_tokens;
+        self.prompt_tokens += usage.prompt_tokens as usize;
+        self.generated_tokens += usage.completion_tokens;
+    }
+
+    /// Passes `result` through, counting an error as this request's outcome.
+    pub fn settle<T>(&mut self, result: Result<T, ApiError>) -> Result<T, ApiError> {
+        if let Err(error) = &result {
+            self.failed(error);
+        }
+        result
     }
 
     pub fn failed(&mut self, error: &ApiError) {

@@ -1,19 +1,28 @@
-//! The axum application: routes, shared state, and the small endpoints
-//! (health, readiness, info, tokenize, models, metrics, OpenAPI). The
-//! generation endpoints live in `openai` and `tgi`; both drive requests
-//! through `generation`; every error leaves through `error`.
+//! The axum application: routes, middleware and the small endpoints
+//! (health, readiness, info, tokenize, metrics, OpenAPI).
+//!
+//! - `state`      - what every handler shares (`AppState`, `Info`).
+//! - `openai`     - OpenAI's endpoints (`chat`, `completions`, models) and wire types.
+//! - `tgi`        - TGI's endpoints and wire types.
+//! - `generation` - the generation driver both APIs hand validated requests
+//!   to: submission, `n` choices, collected or streamed results, usage.
+//! - `sse`        - server-sent event framing.
+//! - `error`      - every error leaves through here, in each API's shape.
 
 pub mod error;
 pub mod generation;
 pub mod openai;
 pub mod sse;
+pub mod state;
 pub mod tgi;
 #[cfg(test)]
 mod tests;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+pub use state::{AppState, Info};
+
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, Query, Request, State};
@@ -22,77 +31,12 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use metrics_exporter_prometheus::PrometheusHandle;
 use serde::{Deserialize, Serialize};
 use tower_http::cors::{AllowOrigin, CorsLayer};
 use utoipa::{OpenApi, ToSchema};
 
-use crate::infer::{Infer, SchedulerStats};
-use crate::validation::Validation;
+use crate::infer::SchedulerStats;
 use error::{ApiError, OpenAiError, TgiError};
-
-/// What /info reports besides the validation limits.
-#[derive(Debug, Clone, Serialize, ToSchema)]
-pub struct Info {
-    pub model_id: String,
-    pub model_dtype: String,
-    pub model_device_type: String,
-    pub model_type: String,
-    pub max_input_tokens: u32,
-    pub max_total_tokens: u32,
-    pub max_concurrent_requests: u32,
-    pub max_best_of: u32,
-    pub max_stop_sequences: u32,
-    pub max_top_n_tokens: u32,
-    pub max_batch_total_tokens: u32,
-    pub max_batch_prefill_tokens: u32,
-    pub max_batch_size: u32,
-    pub block_size: u32,
-    pub num_blocks: u32,
-    pub world_size: u32,
-    pub prefix_caching: bool,
-    pub attention_backend: String,
-    pub router: String,
-    pub version: String,
-    /// Dollars per hour (`--hourly-cost`); null when not configured.
-    pub hourly_cost: Option<f64>,
-}
-
-pub struct AppState {
-    pub infer: Infer,
-    pub validation: Validation,
-    pub info: Info,
-    /// Names OpenAI's `model` may take (served name, model id).
-    pub model_names: Vec<String>,
-    pub metrics: PrometheusHandle,
-    /// Set on SIGTERM: new generation requests get 503, readiness fails.
-    pub draining: Arc<AtomicBool>,
-    /// Readiness fails when a step has run this long, or when requests wait
-    /// and no step finished for this long.
-    pub progress_timeout: Duration,
-    pub api_key: Option<String>,
-    /// When the app was built; stands in for "last step" before the first.
-    pub started: Instant,
-}
-
-impl AppState {
-    /// The served name for OpenAI responses.
-    pub fn served_model_name(&self) -> &str {
-        &self.model_names[0]
-    }
-
-    /// Accepts the served name, the model id, and the placeholders
-    /// huggingface_hub's InferenceClient sends when given a server URL
-    /// instead of a model ("tgi", "dummy"); anything else is 404.
-    pub fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
-        const CLIENT_PLACEHOLDERS: [&str; 2] = ["tgi", "dummy"];
-        match model {
-            None => Ok(()),
-            Some(m) if CLIENT_PLACEHOLDERS.contains(&m) || self.model_names.iter().any(|n| n == m) => Ok(()),
-            Some(m) => Err(crate::validation::ValidationError::ModelNotFound(m.to_string()).into()),
-        }
-    }
-}
 
 pub struct HttpOptions {
     pub payload_limit: usize,
@@ -104,15 +48,15 @@ pub fn app(state: Arc<AppState>, options: &HttpOptions) -> Router {
         .route("/", post(tgi::compat_generate))
         .route("/generate", post(tgi::generate))
         .route("/generate_stream", post(tgi::generate_stream))
-        .route("/v1/chat/completions", post(openai::chat_completions))
-        .route("/v1/completions", post(openai::completions))
+        .route("/v1/chat/completions", post(openai::chat::chat_completions))
+        .route("/v1/completions", post(openai::completions::completions))
         .layer(middleware::from_fn_with_state(state.clone(), reject_while_draining))
         // Outermost: one trace per generation request, including refusals.
         .layer(middleware::from_fn(crate::telemetry::trace_http));
     let router = Router::new()
         .merge(generation)
         .route("/tokenize", post(tokenize))
-        .route("/v1/models", get(models))
+        .route("/v1/models", get(openai::models))
         .route("/info", get(info))
         .route("/openapi.json", get(openapi))
         .layer(middleware::from_fn_with_state(state.clone(), require_api_key))
@@ -175,27 +119,6 @@ fn api_error_for(path: &str, error: ApiError) -> Response {
     } else {
         TgiError(error).into_response()
     }
-}
-
-/// The body as bytes, with an oversized body reported in our error shape.
-pub(crate) fn body_bytes(body: Result<Bytes, axum::extract::rejection::BytesRejection>) -> Result<Bytes, ApiError> {
-    body.map_err(|rejection| {
-        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::PayloadTooLarge(0)
-        } else {
-            ApiError::Validation(crate::validation::ValidationError::Body {
-                field: None,
-                message: rejection.body_text(),
-            })
-        }
-    })
-}
-
-pub(crate) fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
 }
 
 /// Liveness: the process answers. `?ready` turns it into readiness.
@@ -303,7 +226,7 @@ async fn tokenize(
     State(state): State<Arc<AppState>>,
     body: Result<Bytes, axum::extract::rejection::BytesRejection>,
 ) -> Result<Json<Vec<SimpleToken>>, TgiError> {
-    let request: TokenizeRequest = error::parse_json(&body_bytes(body)?)?;
+    let request: TokenizeRequest = error::parse_body(body)?;
     if request.inputs.is_empty() {
         return Err(crate::validation::ValidationError::Empty { field: "inputs".into() }.into());
     }
@@ -325,42 +248,13 @@ async fn tokenize(
     ))
 }
 
-#[derive(Debug, Serialize, ToSchema)]
-pub struct ModelList {
-    pub object: String,
-    pub data: Vec<ModelCard>,
-}
-
-#[derive(Debug, Serialize, ToSchema)]
-pub struct ModelCard {
-    pub id: String,
-    pub object: String,
-    pub created: u64,
-    pub owned_by: String,
-    pub max_model_len: u32,
-}
-
-#[utoipa::path(get, path = "/v1/models", responses((status = 200, body = ModelList)))]
-async fn models(State(state): State<Arc<AppState>>) -> Json<ModelList> {
-    Json(ModelList {
-        object: "list".into(),
-        data: vec![ModelCard {
-            id: state.served_model_name().to_string(),
-            object: "model".into(),
-            created: unix_now(),
-            owned_by: "sluice".into(),
-            max_model_len: state.info.max_total_tokens,
-        }],
-    })
-}
-
 #[derive(OpenApi)]
 #[openapi(
     info(title = "Sluice", description = "LLM inference server: OpenAI-compatible and TGI-native APIs"),
     paths(
-        health, ready, info, metrics, tokenize, models,
+        health, ready, info, metrics, tokenize, openai::models,
         tgi::generate, tgi::generate_stream, tgi::compat_generate,
-        openai::chat_completions, openai::completions,
+        openai::chat::chat_completions, openai::completions::completions,
     )
 )]
 pub struct ApiDoc;

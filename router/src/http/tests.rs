@@ -12,9 +12,9 @@ use serde_json::{json, Value};
 use tower::ServiceExt;
 
 use super::{app, readiness, AppState, HttpOptions, Info};
-use crate::fake_shard::{FakeShard, FakeShardConfig};
-use crate::infer::{SchedulerStats, ShardInfo};
-use crate::scheduler::{spawn, SchedulerConfig, TokenCounts};
+use crate::testing::fake_shard::{FakeShard, FakeShardConfig};
+use crate::infer::{SchedulerStats, ShardInfo, TokenCounts};
+use crate::scheduler::{spawn, SchedulerConfig};
 
 struct Setup {
     fake: FakeShardConfig,
@@ -92,7 +92,6 @@ fn build(setup: Setup) -> (Router, Arc<AppState>) {
             version: "test".into(),
             hourly_cost: setup.hourly_cost,
         },
-        model_names: vec!["tiny".into(), "org/tiny".into()],
         metrics: crate::metrics::install(),
         draining: Arc::new(AtomicBool::new(false)),
         progress_timeout: Duration::from_secs(5),
@@ -214,6 +213,52 @@ async fn completions_index_prompts_times_n() {
     let indexes: Vec<u64> = response["choices"].as_array().unwrap().iter().map(|c| c["index"].as_u64().unwrap()).collect();
     assert_eq!(indexes, [0, 1, 2, 3]);
     assert_eq!(response["usage"]["completion_tokens"], 8);
+}
+
+/// The usage chunk of an SSE body (`stream_options.include_usage`).
+fn streamed_usage(sse: &str) -> Value {
+    let payloads = sse_payloads(sse);
+    assert_eq!(payloads.last().unwrap(), "[DONE]");
+    let last: Value = serde_json::from_str(&payloads[payloads.len() - 2]).unwrap();
+    assert_eq!(last["choices"].as_array().unwrap().len(), 0, "{last}");
+    last["usage"].clone()
+}
+
+#[tokio::test]
+async fn usage_counts_each_prompt_once_and_every_choice() {
+    let (app, _) = build(Setup::default());
+    // Prompts of 9 and 5 tokens (block size 4), two choices each.
+    let prompts = json!([[1, 263, 264, 265, 266, 263, 264, 265, 266], [1, 266, 265, 264, 263]]);
+    let body = json!({"model": "tiny", "prompt": prompts, "n": 2, "max_tokens": 3, "temperature": 0, "ignore_eos": true});
+    let (status, cold) = post(&app, "/v1/completions", body.clone()).await;
+    assert_eq!(status, StatusCode::OK, "{cold}");
+    assert_eq!(cold["usage"]["prompt_tokens"], 14, "each prompt once, not once per choice: {cold}");
+    assert_eq!(cold["usage"]["completion_tokens"], 12, "every choice's tokens");
+    assert_eq!(cold["usage"]["total_tokens"], 26);
+    // Warm: each prompt's first choice finds (9 - 1) / 4 = 2 and (5 - 1) / 4 = 1
+    // full blocks cached; the other choices' hits are not counted again.
+    let (_, warm) = post(&app, "/v1/completions", body.clone()).await;
+    assert_eq!(warm["usage"]["prompt_tokens_details"]["cached_tokens"], 12, "{warm}");
+    let mut streamed = body;
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let (status, _, sse) = call(&app, "POST", "/v1/completions", Some(streamed)).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(streamed_usage(&sse), warm["usage"], "streamed and buffered usage agree");
+
+    // Chat counts the same way: n = 2 costs the prompt once.
+    let chat = |n: u32, stream: bool| {
+        json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": n,
+               "temperature": 0, "ignore_eos": true, "stream": stream, "stream_options": {"include_usage": true}})
+    };
+    let _ = post(&app, "/v1/chat/completions", chat(1, false)).await; // fills the cache
+    let (_, one) = post(&app, "/v1/chat/completions", chat(1, false)).await;
+    let (_, two) = post(&app, "/v1/chat/completions", chat(2, false)).await;
+    assert_eq!(two["usage"]["prompt_tokens"], one["usage"]["prompt_tokens"], "{two}");
+    assert_eq!(two["usage"]["completion_tokens"], 4);
+    assert_eq!(two["usage"]["prompt_tokens_details"], one["usage"]["prompt_tokens_details"], "warm: the first choice's hit");
+    let (_, _, sse) = call(&app, "POST", "/v1/chat/completions", Some(chat(2, true))).await;
+    assert_eq!(streamed_usage(&sse), two["usage"]);
 }
 
 #[tokio::test]

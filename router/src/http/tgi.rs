@@ -7,24 +7,24 @@
 //! (temperature != 1, top_k, top_p, typical_p) is given; `temperature`
 //! must then be strictly positive. `watermark` is accepted and ignored.
 
-use tracing::Instrument;
 use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
+use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use super::error::{parse_json, ApiError, TgiError};
-use super::generation::{Finish, GenEvent, Generation, RequestRecord};
-use super::sse::{json_event, sse_response};
-use super::{body_bytes, AppState};
-use crate::infer::{GeneratedToken, TokenLogprob};
-use crate::validation::{GenerateParameters, Prompt, Validated, ValidationError};
+use super::error::{body_bytes, parse_body, parse_json, ApiError, TgiError};
+use super::generation::{Choices, Collected, Finish, GenEvent, RequestRecord, StreamShape, TokenUsage};
+use super::sse::json_event;
+use super::state::AppState;
+use crate::infer::TokenLogprob;
+use crate::tokenizer::Tokenizer;
+use crate::validation::{Decoding, GenerateParameters, Prompt, Validated};
 
 #[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 #[serde(default)]
@@ -143,54 +143,24 @@ fn logprob(value: f32) -> Option<f32> {
     value.is_finite().then_some(value)
 }
 
-struct Prepared {
-    validated: Validated,
-    inputs: String,
-    details: bool,
-    decoder_input_details: bool,
-    return_full_text: bool,
-    /// Reported in details; None for greedy.
-    seed: Option<u64>,
-}
-
-fn prepare(state: &AppState, request: TgiRequest, stream: bool) -> Result<Prepared, ApiError> {
-    let p = request.parameters;
-    let unsupported = |field: &str, message: &str| -> ApiError {
-        ValidationError::Unsupported {
-            field: format!("parameters.{field}"),
-            message: message.into(),
-        }
-        .into()
-    };
-    if p.best_of.is_some_and(|b| b != 1) {
-        return Err(unsupported("best_of", "only 1 is supported"));
-    }
-    if p.grammar.as_ref().is_some_and(|g| !g.is_null()) {
-        return Err(unsupported("grammar", "grammars are not supported"));
-    }
-    if p.temperature.is_some_and(|t| t <= 0.0) {
-        return Err(ValidationError::OutOfRange {
-            field: "temperature".into(),
-            message: "must be strictly positive".into(),
-        }
-        .into());
-    }
-    let sampling = p.do_sample
-        || p.temperature.is_some_and(|t| t != 1.0)
-        || p.top_k.is_some()
-        || p.top_p.is_some()
-        || p.typical_p.is_some();
+/// Maps a TGI body to the router's parameters and validates it.
+fn validate(state: &AppState, request: &TgiRequest, stream: bool) -> Result<Validated, ApiError> {
+    let p = &request.parameters;
     let params = GenerateParameters {
         max_new_tokens: p.max_new_tokens,
         max_new_tokens_field: "max_new_tokens",
-        temperature: if sampling { p.temperature.unwrap_or(1.0) } else { 0.0 },
+        field_prefix: "parameters.",
+        best_of: p.best_of,
+        grammar: p.grammar.clone().filter(|g| !g.is_null()),
+        temperature: p.temperature,
+        decoding: Decoding::GreedyUnless { do_sample: p.do_sample },
         top_k: p.top_k,
         top_p: p.top_p,
         typical_p: p.typical_p,
         repetition_penalty: p.repetition_penalty,
         frequency_penalty: p.frequency_penalty,
         seed: p.seed,
-        stop: p.stop,
+        stop: p.stop.clone(),
         // Streams always carry logprobs, as TGI's do.
         logprobs: p.details || stream,
         top_n_tokens: p.top_n_tokens.unwrap_or(0),
@@ -199,99 +169,135 @@ fn prepare(state: &AppState, request: TgiRequest, stream: bool) -> Result<Prepar
         truncate: p.truncate,
         ..Default::default()
     };
-    let input_ids = state.validation.tokenize(&Prompt::Text(request.inputs.clone()), "inputs", true)?;
-    let validated = state.validation.validate(input_ids, "inputs", params)?;
-    Ok(Prepared {
-        seed: sampling.then_some(validated.request.params.seed),
-        validated,
-        inputs: request.inputs,
-        details: p.details,
-        decoder_input_details: p.decoder_input_details,
-        return_full_text: p.return_full_text.unwrap_or(false),
-    })
+    let prompt = Prompt::Text(request.inputs.clone());
+    let mut validated = state.validation.validate_prompts(&[prompt], "inputs", &params)?;
+    Ok(validated.remove(0))
 }
 
-fn token(state: &AppState, t: &GeneratedToken, text: String) -> Token {
-    Token {
-        id: t.token_id,
-        text,
-        logprob: logprob(t.logprob),
-        special: state.validation.tokenizer.is_special(t.token_id),
+/// Shapes one TGI request's answer, buffered or streamed.
+struct TgiShape {
+    tokenizer: Tokenizer,
+    request: TgiRequest,
+    input_ids: Vec<u32>,
+    top_n_tokens: u32,
+    /// Reported in details; None for greedy decoding.
+    seed: Option<u64>,
+    /// Streaming: each token event is held until the next arrives, so the
+    /// last one can carry `generated_text` and `details`.
+    held: Option<StreamResponse>,
+    /// Streaming: the text so far (after the prompt with `return_full_text`).
+    text: String,
+}
+
+impl TgiShape {
+    fn new(state: &AppState, request: TgiRequest, validated: &Validated) -> Self {
+        let params = &validated.request.params;
+        let text = if request.parameters.return_full_text.unwrap_or(false) { request.inputs.clone() } else { String::new() };
+        Self {
+            tokenizer: state.validation.tokenizer.clone(),
+            input_ids: validated.request.input_ids.clone(),
+            top_n_tokens: validated.request.top_n_tokens,
+            seed: (params.temperature > 0.0).then_some(params.seed),
+            request,
+            held: None,
+            text,
+        }
     }
-}
 
-fn top_tokens(state: &AppState, top: &[TokenLogprob]) -> Vec<Token> {
-    top.iter()
-        .map(|t| Token {
-            id: t.token_id,
-            text: state.validation.tokenizer.token_text(t.token_id),
-            logprob: logprob(t.logprob),
-            special: state.validation.tokenizer.is_special(t.token_id),
-        })
-        .collect()
-}
+    fn token(&self, id: u32, logprob_value: f32, text: String) -> Token {
+        Token { id, text, logprob: logprob(logprob_value), special: self.tokenizer.is_special(id) }
+    }
 
-async fn submit(state: &AppState, prepared: &Prepared) -> Result<Generation, ApiError> {
-    let request = prepared.validated.request.clone();
-    let arrived = request.arrived;
-    let span = crate::telemetry::generation_span(state.served_model_name(), &request);
-    let stream = state.infer.generate(request).instrument(span.clone()).await?;
-    Ok(Generation::new(
-        stream,
-        state.validation.tokenizer.clone(),
-        prepared.validated.stop.clone(),
-        arrived,
-    )
-    .traced(span))
-}
+    fn top_tokens(&self, top: &[TokenLogprob]) -> Vec<Token> {
+        top.iter().map(|t| self.token(t.token_id, t.logprob, self.tokenizer.token_text(t.token_id))).collect()
+    }
 
-async fn generate_inner(
-    state: &AppState,
-    body: Result<Bytes, BytesRejection>,
-    record: &mut RequestRecord,
-) -> Result<GenerateResponse, ApiError> {
-    let request: TgiRequest = parse_json(&body_bytes(body)?)?;
-    let prepared = prepare(state, request, false)?;
-    let collected = submit(state, &prepared).await?.collect().await?;
-    let input_ids = &prepared.validated.request.input_ids;
-    record.succeeded(input_ids.len(), collected.generated_tokens);
-    let details = prepared.details.then(|| {
-        let prefill = if prepared.decoder_input_details {
-            input_ids
-                .iter()
-                .enumerate()
-                .map(|(i, &id)| PrefillToken {
-                    id,
-                    text: state.validation.tokenizer.token_text(id),
-                    // Entry i - 1 is the logprob of prompt token i.
-                    logprob: i
-                        .checked_sub(1)
-                        .and_then(|j| collected.prompt_logprobs.get(j))
-                        .and_then(|t| logprob(t.logprob)),
-                })
-                .collect()
-        } else {
-            Vec::new()
-        };
-        Details {
+    fn response(mut self, collected: Collected) -> GenerateResponse {
+        let p = &self.request.parameters;
+        let details = p.details.then(|| Details {
             finish_reason: collected.finish.unwrap_or(Finish::Length).into(),
             generated_tokens: collected.generated_tokens,
-            seed: prepared.seed,
-            prefill,
-            tokens: collected.tokens.iter().map(|(t, text)| token(state, t, text.clone())).collect(),
-            top_tokens: if prepared.validated.request.top_n_tokens > 0 {
-                collected.tokens.iter().map(|(t, _)| top_tokens(state, &t.top_tokens)).collect()
+            seed: self.seed,
+            prefill: if p.decoder_input_details { self.prefill(&collected.prompt_logprobs) } else { Vec::new() },
+            tokens: collected.tokens.iter().map(|(t, text)| self.token(t.token_id, t.logprob, text.clone())).collect(),
+            top_tokens: if self.top_n_tokens > 0 {
+                collected.tokens.iter().map(|(t, _)| self.top_tokens(&t.top_tokens)).collect()
             } else {
                 Vec::new()
             },
+        });
+        self.text.push_str(&collected.text);
+        GenerateResponse { generated_text: self.text, details }
+    }
+
+    /// The prompt's tokens; entry i - 1 of `prompt_logprobs` is the logprob
+    /// of prompt token i.
+    fn prefill(&self, prompt_logprobs: &[TokenLogprob]) -> Vec<PrefillToken> {
+        self.input_ids
+            .iter()
+            .enumerate()
+            .map(|(i, &id)| PrefillToken {
+                id,
+                text: self.tokenizer.token_text(id),
+                logprob: i.checked_sub(1).and_then(|j| prompt_logprobs.get(j)).and_then(|t| logprob(t.logprob)),
+            })
+            .collect()
+    }
+}
+
+impl StreamShape for TgiShape {
+    fn event(&mut self, _index: usize, event: GenEvent) -> Option<Event> {
+        match event {
+            GenEvent::Prefill { .. } => None,
+            GenEvent::Token { token, visible, .. } => {
+                self.text.push_str(&visible);
+                let next = StreamResponse {
+                    index: 0,
+                    token: self.token(token.token_id, token.logprob, visible),
+                    top_tokens: self.top_tokens(&token.top_tokens),
+                    generated_text: None,
+                    details: None,
+                };
+                self.held.replace(next).map(|previous| json_event(&previous))
+            }
+            GenEvent::End { finish, generated_tokens, trailing } => {
+                self.text.push_str(&trailing);
+                let mut last = self.held.take()?;
+                last.token.text.push_str(&trailing);
+                last.generated_text = Some(std::mem::take(&mut self.text));
+                last.details = Some(StreamDetails {
+                    finish_reason: finish.into(),
+                    generated_tokens,
+                    seed: self.seed,
+                    input_length: self.input_ids.len() as u32,
+                });
+                Some(json_event(&last))
+            }
         }
-    });
-    let generated_text = if prepared.return_full_text {
-        prepared.inputs + &collected.text
-    } else {
-        collected.text
-    };
-    Ok(GenerateResponse { generated_text, details })
+    }
+
+    fn finish(&mut self, _usage: TokenUsage) -> Vec<Event> {
+        Vec::new()
+    }
+
+    fn fail(&mut self, error: &ApiError) -> Vec<Event> {
+        let held = self.held.take().map(|previous| json_event(&previous));
+        held.into_iter().chain([json_event(&error.tgi_body())]).collect()
+    }
+}
+
+async fn generate_inner(state: &AppState, request: TgiRequest, record: &mut RequestRecord) -> Result<GenerateResponse, ApiError> {
+    let validated = validate(state, &request, false)?;
+    let shape = TgiShape::new(state, request, &validated);
+    let (mut results, _) = Choices::submit(state, vec![validated]).await?.collect(record).await?;
+    Ok(shape.response(results.remove(0)))
+}
+
+async fn stream_inner(state: &AppState, request: TgiRequest, record: &mut RequestRecord) -> Result<Response, ApiError> {
+    let validated = validate(state, &request, true)?;
+    let shape = TgiShape::new(state, request, &validated);
+    let choices = Choices::submit(state, vec![validated]).await?;
+    Ok(choices.sse(shape, record.take()))
 }
 
 #[utoipa::path(post, path = "/generate", request_body = TgiRequest,
@@ -306,11 +312,11 @@ pub async fn generate(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<GenerateResponse>, TgiError> {
     let mut record = RequestRecord::new("generate");
-    let result = generate_inner(&state, body, &mut record).await;
-    if let Err(e) = &result {
-        record.failed(e);
-    }
-    Ok(Json(result?))
+    let result = match parse_body(body) {
+        Ok(request) => generate_inner(&state, request, &mut record).await,
+        Err(error) => Err(error),
+    };
+    Ok(Json(record.settle(result)?))
 }
 
 #[utoipa::path(post, path = "/generate_stream", request_body = TgiRequest,
@@ -324,15 +330,11 @@ pub async fn generate_stream(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, TgiError> {
     let mut record = RequestRecord::new("generate_stream");
-    let result = async {
-        let request: TgiRequest = parse_json(&body_bytes(body)?)?;
-        stream_response(state, request, &mut record).await
-    }
-    .await;
-    if let Err(e) = &result {
-        record.failed(e);
-    }
-    Ok(result?)
+    let result = match parse_body(body) {
+        Ok(request) => stream_inner(&state, request, &mut record).await,
+        Err(error) => Err(error),
+    };
+    Ok(record.settle(result)?)
 }
 
 /// TGI's `POST /`: `/generate` answered as a one-element list, or
@@ -346,80 +348,13 @@ pub async fn compat_generate(
     State(state): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, TgiError> {
-    let body = body_bytes(body)?;
-    let request: TgiRequest = parse_json(&body)?;
+    let request: TgiRequest = parse_json(&body_bytes(body)?)?;
     if request.stream {
         let mut record = RequestRecord::new("generate_stream");
-        let result = stream_response(state, request, &mut record).await;
-        if let Err(e) = &result {
-            record.failed(e);
-        }
-        return Ok(result?);
+        let result = stream_inner(&state, request, &mut record).await;
+        return Ok(record.settle(result)?);
     }
     let mut record = RequestRecord::new("generate");
-    let result = generate_inner(&state, Ok(body), &mut record).await;
-    if let Err(e) = &result {
-        record.failed(e);
-    }
-    Ok(Json(vec![result?]).into_response())
-}
-
-async fn stream_response(
-    state: Arc<AppState>,
-    request: TgiRequest,
-    record: &mut RequestRecord,
-) -> Result<Response, ApiError> {
-    let prepared = prepare(&state, request, true)?;
-    let generation = submit(&state, &prepared).await?;
-    let mut record = record.take();
-    let input_length = prepared.validated.request.input_ids.len();
-    let mut events = generation.into_stream();
-    let stream = async_stream::stream! {
-        // Each token event is held until the next arrives, so the last one
-        // can carry `generated_text` and `details`.
-        let mut held: Option<StreamResponse> = None;
-        let mut text = if prepared.return_full_text { prepared.inputs.clone() } else { String::new() };
-        while let Some(event) = events.next().await {
-            match event {
-                Ok(GenEvent::Prefill { .. }) => {}
-                Ok(GenEvent::Token { token: t, visible, .. }) => {
-                    if let Some(previous) = held.take() {
-                        yield json_event(&previous);
-                    }
-                    text.push_str(&visible);
-                    held = Some(StreamResponse {
-                        index: 0,
-                        token: token(&state, &t, visible),
-                        top_tokens: top_tokens(&state, &t.top_tokens),
-                        generated_text: None,
-                        details: None,
-                    });
-                }
-                Ok(GenEvent::End { finish, generated_tokens, trailing }) => {
-                    text.push_str(&trailing);
-                    record.succeeded(input_length, generated_tokens);
-                    if let Some(mut last) = held.take() {
-                        last.token.text.push_str(&trailing);
-                        last.generated_text = Some(std::mem::take(&mut text));
-                        last.details = Some(StreamDetails {
-                            finish_reason: finish.into(),
-                            generated_tokens,
-                            seed: prepared.seed,
-                            input_length: input_length as u32,
-                        });
-                        yield json_event(&last);
-                    }
-                }
-                Err(error) => {
-                    record.failed(&error);
-                    if let Some(previous) = held.take() {
-                        yield json_event(&previous);
-                    }
-                    yield json_event(&error.tgi_body());
-                    return;
-                }
-            }
-        }
-    };
-    Ok(sse_response(stream))
+    let result = generate_inner(&state, request, &mut record).await;
+    Ok(Json(vec![record.settle(result)?]).into_response())
 }

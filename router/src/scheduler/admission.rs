@@ -8,10 +8,10 @@
 //! ```text
 //!  block_size 4, prompt of 10 tokens, tree holds its first 2 blocks
 //!  tokens   [ t0 t1 t2 t3 | t4 t5 t6 t7 | t8 t9 ]
-//!  blocks   [    b7       |    b3       | fresh ]    num_computed = 8
+//!  blocks   [    b7       |    b3       | fresh ]    num_computed_tokens = 8
 //!
 //!  prompt of exactly 8 tokens, both blocks cached:
-//!  only b7 is reused (num_computed = 4) and the second block is recomputed
+//!  only b7 is reused (num_computed_tokens = 4) and the second block is recomputed
 //!  into a fresh block: a token must be computed to get logits, and the
 //!  block holding it would be written; a shared block is never written.
 //! ```
@@ -22,7 +22,8 @@ use std::time::Instant;
 
 use super::queue::admission_order;
 use super::step::{Planned, StepPlan};
-use super::{Scheduler, TokenCounts};
+use super::Scheduler;
+use crate::infer::TokenCounts;
 
 impl Scheduler {
     pub(crate) fn admit(&mut self, plan: &mut StepPlan, budget: &mut usize) {
@@ -41,39 +42,37 @@ impl Scheduler {
             let bs = self.config.block_size as usize;
 
             let reusable = if r.wants_prompt_logprobs() { 0 } else { (r.tokens.len() - 1) / bs };
-            r.blocks = self.kv.acquire_prefix(&r.tokens, reusable);
-            r.num_computed = r.blocks.len() * bs;
+            self.kv.acquire_prefix(&mut r.blocks, &r.tokens, reusable);
+            r.num_computed_tokens = r.blocks.len() * bs;
             let want = r.remaining().min(*budget);
-            let needed = self.blocks_for(r.num_computed + want) - r.blocks.len();
-            r.blocks.extend(self.kv.allocate(needed));
-            let num_new = (r.blocks.len() * bs - r.num_computed).min(want);
-            if num_new == 0 {
-                // Not even one token fits: wait for blocks to come back.
-                self.kv.release(&r.blocks, None);
+            let needed = self.blocks_for(r.num_computed_tokens + want) - r.blocks.len();
+            self.kv.allocate(&mut r.blocks, needed);
+            let num_new_tokens = (r.blocks.len() * bs - r.num_computed_tokens).min(want);
+            if num_new_tokens == 0 {
+                // Not even one token fits: give the blocks back and wait.
                 r.blocks.clear();
-                r.num_computed = 0;
+                r.num_computed_tokens = 0;
                 self.waiting.insert(index, r);
                 break;
             }
 
             if self.kv.caching() && !r.wants_prompt_logprobs() {
                 self.stats.prefix_lookup_tokens += r.tokens.len() as u64;
-                self.stats.prefix_hit_tokens += r.num_computed as u64;
-                metrics::counter!("sluice_prefix_cache_lookup_tokens_total").increment(r.tokens.len() as u64);
-                metrics::counter!("sluice_prefix_cache_hit_tokens_total").increment(r.num_computed as u64);
+                self.stats.prefix_hit_tokens += r.num_computed_tokens as u64;
+                crate::metrics::prefix_lookup(r.tokens.len() as u64, r.num_computed_tokens as u64);
                 looked_up.prompt += r.tokens.len() as u64;
-                looked_up.cached_prompt += r.num_computed as u64;
+                looked_up.cached_prompt += r.num_computed_tokens as u64;
             }
             if !r.prefill_sent {
-                r.cached_tokens = r.num_computed as u32;
+                r.cached_tokens = r.num_computed_tokens as u32;
             }
             r.started.get_or_insert_with(Instant::now);
             r.admitted = self.next_admission;
             self.next_admission += 1;
             r.resumed = false;
-            tracing::debug!(id, cached = r.num_computed, num_new, "admitted");
-            *budget -= num_new;
-            plan.entries.push(Planned { id, num_new, is_new: true, first_new_block: 0 });
+            tracing::debug!(id, cached = r.num_computed_tokens, num_new_tokens, "admitted");
+            *budget -= num_new_tokens;
+            plan.entries.push(Planned { id, num_new_tokens, is_new: true, first_new_block: 0 });
             self.running.push(r);
             latest_admitted = latest_admitted.max(Some(id));
         }

@@ -12,11 +12,11 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use crate::client::ClientError;
-use crate::infer::{FinishReason, GeneratedToken, InferError, InferEvent, TokenLogprob};
+use crate::infer::{FinishReason, GeneratedToken, InferError, InferEvent, TokenCounts, TokenLogprob};
 use crate::pb;
 
 use super::step::StepPlan;
-use super::{Scheduler, TokenCounts};
+use super::Scheduler;
 
 impl Scheduler {
     pub(crate) fn apply(&mut self, plan: StepPlan, result: Result<pb::StepResponse, ClientError>, started: Instant) {
@@ -24,12 +24,13 @@ impl Scheduler {
         self.stats.steps += 1;
         self.stats.step_in_flight_since = None;
         self.stats.last_step_finished = Some(Instant::now());
-        super::stats::step(self, &plan, elapsed);
+        self.stats.evicted_blocks = self.kv.evicted;
+        crate::metrics::step_finished(elapsed, plan.entries.len(), plan.tokens());
         match result {
             Ok(response) => self.apply_response(plan, response),
             Err(error) => self.fail_step(plan, error),
         }
-        super::stats::queue(self);
+        self.publish_occupancy();
         self.notify_drained();
     }
 
@@ -38,7 +39,7 @@ impl Scheduler {
     /// the shard's KV can no longer be trusted.
     fn fail_step(&mut self, plan: StepPlan, error: ClientError) {
         tracing::error!(%error, requests = plan.entries.len(), "step failed");
-        metrics::counter!("sluice_step_failures_total").increment(1);
+        crate::metrics::step_failed();
         let message = error.to_string();
         // The shard may not have dropped them: say it again next step (a
         // shard ignores finished ids it does not hold).
@@ -63,25 +64,25 @@ impl Scheduler {
         for entry in plan.entries {
             let Some(index) = self.position(entry.id) else { continue };
             if let Some(message) = errors.get(&entry.id) {
-                // The shard dropped its state; the KV it wrote is suspect.
+                // The shard dropped its state; the KV it wrote is suspect, so
+                // nothing is cached and the blocks go back with the request.
                 let r = self.running.remove(index);
                 tracing::warn!(id = r.id, %message, "request failed on the shard");
                 r.send(Err(InferError::Generation(message.clone())));
-                self.kv.release(&r.blocks, None);
                 continue;
             }
             let r = &mut self.running[index];
             r.on_shard = true;
             let bs = self.config.block_size as usize;
-            let filled_before = r.num_computed / bs;
-            r.num_computed += entry.num_new;
-            if r.num_computed / bs > filled_before {
+            let filled_before = r.num_computed_tokens / bs;
+            r.num_computed_tokens += entry.num_new_tokens;
+            if r.num_computed_tokens / bs > filled_before {
                 // Blocks this step filled are final: cache them now, not at
                 // the end, so requests admitted while this one still runs
                 // (concurrent users of one system prompt) reuse them.
                 self.kv.cache_full_blocks(&r.blocks, r.computed_tokens());
             }
-            if r.num_computed < r.tokens.len() {
+            if r.num_computed_tokens < r.tokens.len() {
                 continue; // a prefill chunk
             }
             let Some(generation) = generations.remove(&entry.id) else {

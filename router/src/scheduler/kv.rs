@@ -1,18 +1,68 @@
 //! The scheduler's view of the KV cache: the allocator plus, with prefix
 //! caching on, the radix tree. Allocation evicts cached blocks before it
-//! gives up; releasing a finished or preempted request's blocks caches the
-//! full ones.
+//! gives up.
+//!
+//! A request's blocks are its [`BlockTable`], and they go back by ownership:
+//! dropping (or clearing) the table returns every block it holds, whatever
+//! path the request leaves by (finished, cancelled, failed, preempted, not
+//! admitted after all), so no exit path can leak one. Caching a request's
+//! full blocks in the tree is the separate, explicit decision
+//! [`KvCache::cache_full_blocks`] (the tree takes its own references).
+//!
+//! ```text
+//!  drop(table) ──► returns (shared list) ──► reclaim(): one release per block,
+//!                                            first thing in every KvCache call
+//!                                            that allocates, caches or counts
+//! ```
 
 use std::collections::HashMap;
+use std::ops::Deref;
+use std::sync::{Arc, Mutex};
 
-use crate::blocks::{BlockAllocator, BlockId};
-use crate::radix::RadixTree;
+use super::blocks::{BlockAllocator, BlockId};
+use super::radix::RadixTree;
+
+/// Blocks given back by dropped or cleared tables, not yet released.
+type Returns = Arc<Mutex<Vec<BlockId>>>;
+
+/// One request's blocks, in order: block i holds the KV of its tokens
+/// `[i * block_size, (i + 1) * block_size)`. Each holds one reference, given
+/// back when the table is dropped or cleared. Filled only by the
+/// [`KvCache`] that made it.
+pub(crate) struct BlockTable {
+    blocks: Vec<BlockId>,
+    returns: Returns,
+}
+
+impl BlockTable {
+    /// Gives every block back (the table stays usable, empty).
+    pub fn clear(&mut self) {
+        if !self.blocks.is_empty() {
+            self.returns.lock().unwrap_or_else(|e| e.into_inner()).append(&mut self.blocks);
+        }
+    }
+}
+
+impl Deref for BlockTable {
+    type Target = [BlockId];
+
+    fn deref(&self) -> &[BlockId] {
+        &self.blocks
+    }
+}
+
+impl Drop for BlockTable {
+    fn drop(&mut self) {
+        self.clear();
+    }
+}
 
 pub(crate) struct KvCache {
     alloc: BlockAllocator,
     /// `None` with prefix caching off: no tree at all.
     tree: Option<RadixTree>,
     block_size: usize,
+    returns: Returns,
     pub evicted: u64,
 }
 
@@ -22,7 +72,22 @@ impl KvCache {
             alloc: BlockAllocator::new(num_blocks),
             tree: prefix_caching.then(|| RadixTree::new(block_size)),
             block_size: block_size as usize,
+            returns: Returns::default(),
             evicted: 0,
+        }
+    }
+
+    /// An empty table whose blocks will come back to this cache.
+    pub fn new_table(&self) -> BlockTable {
+        BlockTable { blocks: Vec::new(), returns: self.returns.clone() }
+    }
+
+    /// Releases the blocks of dropped or cleared tables. Counts read after
+    /// it are exact.
+    pub fn reclaim(&mut self) {
+        let returned = std::mem::take(&mut *self.returns.lock().unwrap_or_else(|e| e.into_inner()));
+        for b in returned {
+            self.alloc.release(b);
         }
     }
 
@@ -56,32 +121,35 @@ impl KvCache {
         self.tree.as_ref().map_or(0, |t| t.peek_match_len(tokens))
     }
 
-    /// The cached blocks of `tokens`' longest block-aligned prefix, at most
-    /// `max_blocks` of them, each retained for the caller.
-    pub fn acquire_prefix(&mut self, tokens: &[u32], max_blocks: usize) -> Vec<BlockId> {
-        let Some(tree) = self.tree.as_mut().filter(|_| max_blocks > 0) else { return Vec::new() };
+    /// Appends to the (empty) `table` the cached blocks of `tokens`' longest
+    /// block-aligned prefix, at most `max_blocks` of them.
+    pub fn acquire_prefix(&mut self, table: &mut BlockTable, tokens: &[u32], max_blocks: usize) {
+        self.reclaim();
+        let Some(tree) = self.tree.as_mut().filter(|_| max_blocks > 0) else { return };
         let mut blocks = tree.match_prefix(tokens);
         blocks.truncate(max_blocks);
         for &b in &blocks {
             self.alloc.retain(b);
         }
-        blocks
+        table.blocks.extend(blocks);
     }
 
-    /// Up to `wanted` fresh blocks, evicting cached ones for the shortfall.
-    /// Fewer (possibly none) when even eviction cannot find enough.
-    pub fn allocate(&mut self, wanted: usize) -> Vec<BlockId> {
+    /// Appends up to `wanted` fresh blocks to `table`, evicting cached ones
+    /// for the shortfall; fewer (possibly none) when even eviction cannot
+    /// find enough.
+    pub fn allocate(&mut self, table: &mut BlockTable, wanted: usize) {
+        self.reclaim();
         let short = wanted.saturating_sub(self.alloc.num_free() as usize);
         if short > 0 {
             if let Some(tree) = self.tree.as_mut() {
                 let freed = tree.evict(short, &mut self.alloc);
                 self.evicted += freed as u64;
                 if freed > 0 {
-                    metrics::counter!("sluice_prefix_cache_evicted_blocks_total").increment(freed as u64);
+                    crate::metrics::blocks_evicted(freed as u64);
                 }
             }
         }
-        (0..wanted).map_while(|_| self.alloc.allocate()).collect()
+        table.blocks.extend((0..wanted).map_while(|_| self.alloc.allocate()));
     }
 
     /// Caches the full blocks among a running request's computed tokens
@@ -89,33 +157,25 @@ impl KvCache {
     /// references; the tree adds its own. A block whose tokens the tree
     /// already holds under another block stays the request's alone.
     pub fn cache_full_blocks(&mut self, blocks: &[BlockId], tokens: &[u32]) {
+        self.reclaim();
         if let Some(tree) = self.tree.as_mut() {
             let full = (tokens.len() / self.block_size).min(blocks.len());
             tree.insert(&tokens[..full * self.block_size], &blocks[..full], &mut self.alloc);
-        }
-    }
-
-    /// Gives back a request's blocks. With `cache_tokens`, the tokens whose
-    /// KV is in the blocks: the full blocks among them enter the tree first.
-    pub fn release(&mut self, blocks: &[BlockId], cache_tokens: Option<&[u32]>) {
-        if let (Some(tree), Some(tokens)) = (self.tree.as_mut(), cache_tokens) {
-            let full = (tokens.len() / self.block_size).min(blocks.len());
-            tree.insert(&tokens[..full * self.block_size], &blocks[..full], &mut self.alloc);
-        }
-        for &b in blocks {
-            self.alloc.release(b);
         }
     }
 
     /// Forgets every cached block (the shard's KV is no longer trusted).
     pub fn clear_cache(&mut self) {
+        self.reclaim();
         if let Some(tree) = self.tree.as_mut() {
             tree.clear(&mut self.alloc);
         }
     }
 
-    /// `tables`: the block table of every running request.
+    /// `tables`: the block table of every running request. Call after
+    /// [`Self::reclaim`].
     pub fn check_invariants<'a>(&self, tables: impl Iterator<Item = &'a [BlockId]>) {
+        assert!(self.returns.lock().unwrap_or_else(|e| e.into_inner()).is_empty(), "returned blocks not reclaimed");
         self.alloc.check_invariants();
         let mut expected: HashMap<BlockId, u32> = HashMap::new();
         for table in tables {

@@ -5,6 +5,7 @@
 //! ```text
 //!  Infer::generate ──Command──►┌──────────── scheduler task ─────────────┐
 //!                              │ waiting (queue.rs)   running  kv.rs     │
+//!                              │   (blocks.rs allocator, radix.rs tree)  │
 //!                              │   1 cancel    (step.rs)                 │
 //!                              │   2 running: decode / next chunk,       │
 //!                              │     blocks on demand (preemption.rs)    │
@@ -12,6 +13,10 @@
 //!                              │   ──Step──► shard ──► apply (apply.rs)  │
 //!                              └──── InferEvent per request ─────────────┘
 //! ```
+//!
+//! A request's KV blocks are its `kv::BlockTable`: they go back to the
+//! allocator when the request is dropped, whichever way it leaves; caching
+//! its full blocks in the prefix tree is a separate, explicit step.
 //!
 //! Commands keep arriving while a step is in flight (submissions join the
 //! waiting queue); the next step is built as soon as the last one returns.
@@ -24,7 +29,7 @@
 //!   its ref count is exactly (running tables listing it) + (1 if cached);
 //! - waiting requests hold no blocks;
 //! - no block has two writers: a running request's blocks from index
-//!   `num_computed / block_size` on (the ones it writes) are referenced by
+//!   `num_computed_tokens / block_size` on (the ones it writes) are referenced by
 //!   it alone and are not in the tree;
 //! - a running request's blocks cover its computed tokens, and at least one
 //!   of its tokens is not computed yet (the one to compute next);
@@ -33,16 +38,15 @@
 
 mod admission;
 mod apply;
+pub mod blocks;
 mod kv;
-mod stats;
 mod preemption;
 mod queue;
+pub mod radix;
 mod request;
 mod step;
 mod trace;
 mod window;
-
-pub use window::{TokenCounts, WindowTotals};
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -82,11 +86,10 @@ pub struct SchedulerConfig {
 /// ends when every `Infer` clone is dropped and no request is left.
 pub fn spawn<S: Shard>(shard: S, config: SchedulerConfig, info: ShardInfo) -> Infer {
     let (commands, receiver) = mpsc::channel(1024);
-    stats::describe();
-    let scheduler = Scheduler::new(config);
+    let mut scheduler = Scheduler::new(config);
     // The queue and KV gauges exist from the first scrape (an endpoint
     // picker reads them before any request arrives).
-    stats::queue(&scheduler);
+    scheduler.publish_occupancy();
     tokio::spawn(run(scheduler, shard, receiver));
     Infer { commands, info: Arc::new(info) }
 }
@@ -213,8 +216,8 @@ impl Scheduler {
         self.check_schedulable(&entry)?;
         let id = self.next_id;
         self.next_id += 1;
-        self.waiting.push_back(Request::new(id, entry));
-        stats::queue(self);
+        self.waiting.push_back(Request::new(id, entry, self.kv.new_table()));
+        self.publish_occupancy();
         Ok(())
     }
 
@@ -249,7 +252,8 @@ impl Scheduler {
         }
     }
 
-    fn snapshot(&self) -> SchedulerStats {
+    fn snapshot(&mut self) -> SchedulerStats {
+        self.kv.reclaim();
         SchedulerStats {
             waiting: self.waiting.len(),
             running: self.running.len(),
@@ -261,27 +265,41 @@ impl Scheduler {
         }
     }
 
+    /// The queue, batch and KV gauges of /metrics.
+    fn publish_occupancy(&mut self) {
+        self.kv.reclaim();
+        crate::metrics::occupancy(crate::metrics::Occupancy {
+            waiting: self.waiting.len(),
+            running: self.running.len(),
+            blocks_total: self.config.num_blocks,
+            blocks_free: self.kv.num_free(),
+            blocks_cached: self.kv.num_cached(),
+            tree_blocks: self.kv.tree_blocks(),
+        });
+    }
+
     fn position(&self, id: u64) -> Option<usize> {
         self.running.iter().position(|r| r.id == id)
     }
 
     /// Panics with a description of the first broken invariant (see the
     /// module comment).
-    pub(crate) fn check_invariants(&self) {
+    pub(crate) fn check_invariants(&mut self) {
+        self.kv.reclaim();
         assert!(self.running.len() <= self.config.max_batch_size as usize, "too many running requests");
         for r in &self.waiting {
             assert!(r.blocks.is_empty(), "waiting request {} holds blocks", r.id);
         }
         let bs = self.config.block_size as usize;
         for r in &self.running {
-            assert!(r.num_computed < r.tokens.len(), "request {} has nothing left to compute", r.id);
-            assert!(r.blocks.len() * bs >= r.num_computed, "request {} computed past its blocks", r.id);
-            for &b in &r.blocks[(r.num_computed / bs).min(r.blocks.len())..] {
+            assert!(r.num_computed_tokens < r.tokens.len(), "request {} has nothing left to compute", r.id);
+            assert!(r.blocks.len() * bs >= r.num_computed_tokens, "request {} computed past its blocks", r.id);
+            for &b in &r.blocks[(r.num_computed_tokens / bs).min(r.blocks.len())..] {
                 assert_eq!(self.kv.ref_count(b), 1, "block {b} written by request {} is shared", r.id);
                 assert!(!self.kv.is_cached(b), "block {b} written by request {} is in the tree", r.id);
             }
         }
-        self.kv.check_invariants(self.running.iter().map(|r| r.blocks.as_slice()));
+        self.kv.check_invariants(self.running.iter().map(|r| &r.blocks[..]));
         if self.is_idle() {
             assert_eq!(
                 self.kv.num_free() + self.kv.num_cached(),

@@ -4,7 +4,7 @@
 //! does not have:
 //!
 //! ```text
-//!  block_size 4, num_computed 8, computing 1 token (slot 8):
+//!  block_size 4, num_computed_tokens 8, computing 1 token (slot 8):
 //!  blocks [b0 b1] cover slots [0, 8) -> slot 8 needs a third block b2
 //! ```
 //!
@@ -33,17 +33,16 @@ impl Scheduler {
         loop {
             let index = self.position(id).expect("growing a running request");
             let r = &self.running[index];
-            let needed = self.blocks_for(r.num_computed + want).saturating_sub(r.blocks.len());
-            let fresh = self.kv.allocate(needed);
+            let needed = self.blocks_for(r.num_computed_tokens + want).saturating_sub(r.blocks.len());
             let r = &mut self.running[index];
-            r.blocks.extend(fresh);
-            let fits = (r.blocks.len() * bs).saturating_sub(r.num_computed).min(want);
+            self.kv.allocate(&mut r.blocks, needed);
+            let fits = (r.blocks.len() * bs).saturating_sub(r.num_computed_tokens).min(want);
             if fits > 0 {
                 return fits;
             }
             let victim = self.running.iter().max_by_key(|r| r.admitted).expect("non-empty").id;
             if let Some(entry) = plan.remove(victim) {
-                *budget += entry.num_new;
+                *budget += entry.num_new_tokens;
             }
             self.preempt(victim);
             if victim == id {
@@ -59,13 +58,14 @@ impl Scheduler {
         if r.on_shard {
             self.finished.push(r.id);
         }
-        self.kv.release(&r.blocks, Some(r.computed_tokens()));
+        // Its full blocks stay cached, so resuming is mostly a cache hit.
+        self.kv.cache_full_blocks(&r.blocks, r.computed_tokens());
         r.blocks.clear();
-        r.num_computed = 0;
+        r.num_computed_tokens = 0;
         r.on_shard = false;
         r.resumed = true;
         self.waiting.push_front(r);
         self.stats.preemptions += 1;
-        metrics::counter!("sluice_preemptions_total").increment(1);
+        crate::metrics::preempted();
     }
 }

@@ -2,20 +2,20 @@
 //!
 //! ```text
 //!  tokens:  [ p0 p1 ... p(P-1) | g0 g1 ... g(G-1) ]     P = num_prompt_tokens
-//!           [0, num_computed)    have KV in `blocks`
-//!           [num_computed, len)  still to compute; in decode, only g(G-1)
+//!           [0, num_computed_tokens)    have KV in `blocks`
+//!           [num_computed_tokens, len)  still to compute; in decode, only g(G-1)
 //!                                (sampled last step, its KV not written yet)
 //!  blocks:  block i holds the KV of tokens [i * bs, (i + 1) * bs)
 //! ```
 //!
 //! States: waiting (no blocks) -> running (shard holds state once its first
 //! step ran: `on_shard`) -> finished, or back to waiting when preempted (it
-//! then starts over with `num_computed = 0` and resumes by recomputation,
+//! then starts over with `num_computed_tokens = 0` and resumes by recomputation,
 //! sent as a new request whose `num_prompt_tokens` marks the boundary).
 
 use std::time::Instant;
 
-use crate::blocks::BlockId;
+use super::kv::BlockTable;
 use crate::infer::{Entry, InferError, InferEvent, ValidRequest};
 use crate::pb;
 
@@ -25,8 +25,9 @@ pub(crate) struct Request {
     events: tokio::sync::mpsc::UnboundedSender<Result<InferEvent, InferError>>,
     pub tokens: Vec<u32>,
     pub num_prompt_tokens: usize,
-    pub num_computed: usize,
-    pub blocks: Vec<BlockId>,
+    pub num_computed_tokens: usize,
+    /// Its blocks go back to the cache when the request is dropped.
+    pub blocks: BlockTable,
     /// The shard holds this request's state (it ran at least one step since
     /// its last admission).
     pub on_shard: bool,
@@ -49,7 +50,7 @@ pub(crate) struct Request {
 }
 
 impl Request {
-    pub fn new(id: u64, entry: Entry) -> Self {
+    pub fn new(id: u64, entry: Entry, blocks: BlockTable) -> Self {
         let Entry { request, events, span } = entry;
         let queue_span = Some(tracing::debug_span!(parent: &span, "queue"));
         Self {
@@ -58,8 +59,8 @@ impl Request {
             num_prompt_tokens: request.input_ids.len(),
             request,
             events,
-            num_computed: 0,
-            blocks: Vec::new(),
+            num_computed_tokens: 0,
+            blocks,
             on_shard: false,
             prefill_sent: false,
             cached_tokens: 0,
@@ -79,7 +80,7 @@ impl Request {
 
     /// Tokens without KV yet.
     pub fn remaining(&self) -> usize {
-        self.tokens.len() - self.num_computed
+        self.tokens.len() - self.num_computed_tokens
     }
 
     /// The client is gone (its stream was dropped).
@@ -101,7 +102,7 @@ impl Request {
 
     /// Tokens whose KV is in `blocks`: what may enter the prefix tree.
     pub fn computed_tokens(&self) -> &[u32] {
-        &self.tokens[..self.num_computed]
+        &self.tokens[..self.num_computed_tokens]
     }
 
     pub fn to_new_request(&self, num_new_tokens: usize) -> pb::NewRequest {
@@ -111,9 +112,9 @@ impl Request {
             id: self.id,
             token_ids: self.tokens.clone(),
             num_prompt_tokens: self.num_prompt_tokens as u32,
-            num_computed_tokens: self.num_computed as u32,
+            num_computed_tokens: self.num_computed_tokens as u32,
             num_new_tokens: num_new_tokens as u32,
-            block_ids: self.blocks.clone(),
+            block_ids: self.blocks.to_vec(),
             params: Some(pb::SamplingParams {
                 temperature: p.temperature,
                 top_k: p.top_k,

@@ -12,7 +12,7 @@
 //!  C admitted          [0, 3)  of 10 tokens   ▇▇▇    3 tokens (budget ends)
 //! ```
 
-use crate::blocks::BlockId;
+use super::blocks::BlockId;
 use crate::pb;
 
 use super::Scheduler;
@@ -21,8 +21,8 @@ use super::Scheduler;
 #[derive(Debug, Clone)]
 pub(crate) struct Planned {
     pub id: u64,
-    /// Tokens computed: `tokens[num_computed .. num_computed + num_new]`.
-    pub num_new: usize,
+    /// Tokens computed: `tokens[num_computed_tokens .. num_computed_tokens + num_new_tokens]`.
+    pub num_new_tokens: usize,
     /// The shard has no state for it: send it whole as a `NewRequest`.
     pub is_new: bool,
     /// `blocks[first_new_block..]` were appended for this step.
@@ -43,7 +43,7 @@ impl StepPlan {
     }
 
     pub fn tokens(&self) -> usize {
-        self.entries.iter().map(|e| e.num_new).sum()
+        self.entries.iter().map(|e| e.num_new_tokens).sum()
     }
 
     pub fn remove(&mut self, id: u64) -> Option<Planned> {
@@ -62,7 +62,7 @@ impl Scheduler {
         if !plan.is_empty() {
             plan.finished_ids = std::mem::take(&mut self.finished);
         }
-        super::stats::queue(self);
+        self.publish_occupancy();
         plan
     }
 
@@ -80,14 +80,15 @@ impl Scheduler {
     }
 
     /// Takes a request out of the running set's bookkeeping: its shard state
-    /// is dropped at the next step and its blocks go back (full ones into the
-    /// tree when its KV is trustworthy).
+    /// is dropped at the next step, its full blocks enter the tree when its KV
+    /// is trustworthy (`cache`), and its blocks go back as it is dropped.
     pub(crate) fn retire(&mut self, r: super::Request, cache: bool) {
         if r.on_shard {
             self.finished.push(r.id);
         }
-        let tokens = cache.then(|| r.computed_tokens());
-        self.kv.release(&r.blocks, tokens);
+        if cache {
+            self.kv.cache_full_blocks(&r.blocks, r.computed_tokens());
+        }
     }
 
     /// Decodes first (one token each keeps every stream moving), then the
@@ -104,12 +105,12 @@ impl Scheduler {
             let Some(index) = self.position(id) else { continue };
             let want = self.running[index].remaining().min(*budget);
             let first_new_block = self.running[index].blocks.len();
-            let num_new = self.grow(plan, budget, id, want);
-            if num_new == 0 {
+            let num_new_tokens = self.grow(plan, budget, id, want);
+            if num_new_tokens == 0 {
                 continue; // it was preempted itself
             }
-            *budget -= num_new;
-            plan.entries.push(Planned { id, num_new, is_new: false, first_new_block });
+            *budget -= num_new_tokens;
+            plan.entries.push(Planned { id, num_new_tokens, is_new: false, first_new_block });
         }
     }
 
@@ -118,12 +119,12 @@ impl Scheduler {
         for entry in &plan.entries {
             let r = &self.running[self.position(entry.id).expect("planned requests are running")];
             if entry.is_new {
-                request.new_requests.push(r.to_new_request(entry.num_new));
+                request.new_requests.push(r.to_new_request(entry.num_new_tokens));
             } else {
                 let new_block_ids: Vec<BlockId> = r.blocks[entry.first_new_block..].to_vec();
                 request.scheduled.push(pb::ScheduledRequest {
                     id: entry.id,
-                    num_new_tokens: entry.num_new as u32,
+                    num_new_tokens: entry.num_new_tokens as u32,
                     new_block_ids,
                 });
             }

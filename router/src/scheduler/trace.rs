@@ -27,9 +27,9 @@ impl Scheduler {
         let requests: Vec<(&super::Request, usize)> = plan
             .entries
             .iter()
-            .filter_map(|e| self.position(e.id).map(|i| (&self.running[i], e.num_new)))
+            .filter_map(|e| self.position(e.id).map(|i| (&self.running[i], e.num_new_tokens)))
             .collect();
-        let prefill_tokens: usize = plan.entries.iter().filter(|e| e.is_new || e.num_new > 1).map(|e| e.num_new).sum();
+        let prefill_tokens: usize = plan.entries.iter().filter(|e| e.is_new || e.num_new_tokens > 1).map(|e| e.num_new_tokens).sum();
         let parent = requests.first().and_then(|(r, _)| r.span.id());
         let span = tracing::debug_span!(
             parent: parent,
@@ -40,8 +40,8 @@ impl Scheduler {
             sluice.step.finished = plan.finished_ids.len(),
         );
         let mut links = Vec::new();
-        for (r, num_new) in &requests {
-            tracing::debug!(parent: &r.span, new_tokens = num_new, computed = r.num_computed, "step");
+        for (r, num_new_tokens) in &requests {
+            tracing::debug!(parent: &r.span, new_tokens = num_new_tokens, computed = r.num_computed_tokens, "step");
             if links.len() < MAX_STEP_LINKS {
                 let cx = span_context(&r.span);
                 if let Some(value) = format_traceparent(&cx) {

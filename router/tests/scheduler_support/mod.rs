@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use sluice_router::fake_shard::{next_token, FakeShard, FakeShardConfig, FakeShardHandle};
+use sluice_router::testing::fake_shard::{next_token, FakeShard, FakeShardConfig, FakeShardHandle};
 use sluice_router::infer::{
     FinishReason, Infer, InferError, InferEvent, InferStream, SamplingParameters, SchedulerStats, ShardInfo,
     ValidRequest,

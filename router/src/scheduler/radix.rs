@@ -29,7 +29,7 @@
 
 use std::collections::HashMap;
 
-use crate::blocks::{BlockAllocator, BlockId};
+use super::blocks::{BlockAllocator, BlockId};
 
 const ROOT: usize = 0;
 

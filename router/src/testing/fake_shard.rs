@@ -60,7 +60,7 @@ impl Default for FakeShardConfig {
 struct FakeRequest {
     tokens: Vec<u32>,
     num_prompt_tokens: usize,
-    num_computed: usize,
+    num_computed_tokens: usize,
     blocks: Vec<u32>,
     params: SamplingParams,
 }
@@ -165,7 +165,7 @@ pub fn next_token(config: &FakeShardConfig, tokens: &[u32], may_end: bool) -> (u
 struct Work {
     id: u64,
     start: usize,
-    num_new: usize,
+    num_new_tokens: usize,
 }
 
 impl FakeState {
@@ -197,19 +197,19 @@ impl FakeState {
                 FakeRequest {
                     tokens: new.token_ids.clone(),
                     num_prompt_tokens: new.num_prompt_tokens as usize,
-                    num_computed: computed,
+                    num_computed_tokens: computed,
                     blocks: new.block_ids.clone(),
                     params: new.params.clone().ok_or_else(|| format!("request {}: no params", new.id))?,
                 },
             );
-            work.push(Work { id: new.id, start: computed, num_new: new.num_new_tokens as usize });
+            work.push(Work { id: new.id, start: computed, num_new_tokens: new.num_new_tokens as usize });
         }
         for s in &step.scheduled {
             let Some(r) = live.get_mut(&s.id) else {
                 return Err(format!("scheduled request {} is unknown", s.id));
             };
             r.blocks.extend(&s.new_block_ids);
-            work.push(Work { id: s.id, start: r.num_computed, num_new: s.num_new_tokens as usize });
+            work.push(Work { id: s.id, start: r.num_computed_tokens, num_new_tokens: s.num_new_tokens as usize });
         }
         let mut writers: HashMap<u32, u64> = HashMap::new();
         let mut seen_ids = HashSet::new();
@@ -218,12 +218,12 @@ impl FakeState {
                 return Err(format!("request {} appears twice in one step", w.id));
             }
             let r = &live[&w.id];
-            if w.num_new == 0 || w.start + w.num_new > r.tokens.len() {
+            if w.num_new_tokens == 0 || w.start + w.num_new_tokens > r.tokens.len() {
                 return Err(format!(
                     "request {}: computes [{}, {}) of {} tokens",
                     w.id,
                     w.start,
-                    w.start + w.num_new,
+                    w.start + w.num_new_tokens,
                     r.tokens.len()
                 ));
             }
@@ -236,7 +236,7 @@ impl FakeState {
                     return Err(format!("request {}: block {b} twice in its table", w.id));
                 }
             }
-            let end = w.start + w.num_new;
+            let end = w.start + w.num_new_tokens;
             if r.blocks.len() * bs < end {
                 return Err(format!("request {}: {} blocks cannot hold {end} slots", w.id, r.blocks.len()));
             }
@@ -296,11 +296,11 @@ impl FakeState {
             }
             let r = self.requests.get_mut(&w.id).expect("validated");
             let hashes = prefix_hashes(&r.tokens);
-            for (pos, &hash) in hashes.iter().enumerate().skip(w.start).take(w.num_new) {
+            for (pos, &hash) in hashes.iter().enumerate().skip(w.start).take(w.num_new_tokens) {
                 self.kv[r.blocks[pos / bs] as usize * bs + pos % bs] = Some(hash);
             }
-            r.num_computed = w.start + w.num_new;
-            if r.num_computed < r.tokens.len() {
+            r.num_computed_tokens = w.start + w.num_new_tokens;
+            if r.num_computed_tokens < r.tokens.len() {
                 continue; // a prefill chunk: nothing sampled
             }
             let generated = r.tokens.len() - r.num_prompt_tokens;

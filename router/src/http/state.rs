@@ -1,0 +1,61 @@
+//! What every handler shares: the app's state and the facts /info reports.
+
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use metrics_exporter_prometheus::PrometheusHandle;
+use serde::Serialize;
+use utoipa::ToSchema;
+
+use crate::infer::Infer;
+use crate::validation::Validation;
+
+/// What /info reports besides the validation limits.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct Info {
+    pub model_id: String,
+    pub model_dtype: String,
+    pub model_device_type: String,
+    pub model_type: String,
+    pub max_input_tokens: u32,
+    pub max_total_tokens: u32,
+    pub max_concurrent_requests: u32,
+    pub max_best_of: u32,
+    pub max_stop_sequences: u32,
+    pub max_top_n_tokens: u32,
+    pub max_batch_total_tokens: u32,
+    pub max_batch_prefill_tokens: u32,
+    pub max_batch_size: u32,
+    pub block_size: u32,
+    pub num_blocks: u32,
+    pub world_size: u32,
+    pub prefix_caching: bool,
+    pub attention_backend: String,
+    pub router: String,
+    pub version: String,
+    /// Dollars per hour (`--hourly-cost`); null when not configured.
+    pub hourly_cost: Option<f64>,
+}
+
+pub struct AppState {
+    pub infer: Infer,
+    pub validation: Validation,
+    pub info: Info,
+    pub metrics: PrometheusHandle,
+    /// Set on SIGTERM: new generation requests get 503, readiness fails.
+    pub draining: Arc<AtomicBool>,
+    /// Readiness fails when a step has run this long, or when requests wait
+    /// and no step finished for this long.
+    pub progress_timeout: Duration,
+    pub api_key: Option<String>,
+    /// When the app was built; stands in for "last step" before the first.
+    pub started: Instant,
+}
+
+impl AppState {
+    /// The name responses give the model.
+    pub fn served_model_name(&self) -> &str {
+        self.validation.served_model_name()
+    }
+}
