@@ -13,6 +13,11 @@
 //! `?`, `*`, `+`, groups and `|` are the same in both. A rule named `start`
 //! is renamed so that `root` can take the name.
 
+/// A Lark string literal for `text` (JSON's escapes are Lark's).
+pub fn lark_literal(text: &str) -> String {
+    serde_json::Value::from(text).to_string()
+}
+
 /// Whether `source` reads as GBNF (has a `name ::=` rule) rather than Lark.
 pub fn looks_like_gbnf(source: &str) -> bool {
     source.contains("::=")
@@ -72,7 +77,7 @@ pub fn gbnf_to_lark(source: &str) -> Result<String, String> {
             }
             match token {
                 Token::Ident(name) => out.push_str(&rename(name)),
-                Token::Literal(text) => out.push_str(&super::lark_literal(text)),
+                Token::Literal(text) => out.push_str(&lark_literal(text)),
                 Token::Class(negated, ranges) => out.push_str(&class_regex(*negated, ranges)),
                 Token::Any => out.push_str("/(?s:.)/"),
                 Token::Punct(p) => out.push_str(p),

@@ -24,7 +24,7 @@ use serde_json::{json, Value};
 
 use crate::tokenizer::Tokenizer;
 
-pub use gbnf::{gbnf_to_lark, looks_like_gbnf};
+pub use gbnf::{gbnf_to_lark, lark_literal, looks_like_gbnf};
 
 /// What a request asked the output to match.
 #[derive(Debug, Clone, PartialEq)]
@@ -61,11 +61,6 @@ pub fn with_json_layout(schema: &Value) -> Value {
         Value::Bool(true) => json!({"x-guidance": json_layout()}),
         other => other.clone(),
     }
-}
-
-/// A Lark string literal for `text` (JSON's escapes are Lark's).
-pub fn lark_literal(text: &str) -> String {
-    Value::from(text).to_string()
 }
 
 impl Constraint {

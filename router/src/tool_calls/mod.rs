@@ -17,21 +17,19 @@
 //! the call must name a declared function and match its parameter schema;
 //! `none` sends no tools and no grammar. Inside a call "name" comes first,
 //! then the arguments, compactly laid out: that is what lets
-//! [`ToolCallParser`] stream the name before the arguments.
+//! [`stream::ToolCallParser`] stream the name before the arguments.
 //!
 //! Templates that know no `tools` variable (SmolLM2's) get the tools
 //! described in the system message instead, in the format's own words, and
 //! earlier calls and tool results written into message content.
 
-mod stream;
+pub mod stream;
 
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::grammar::{lark_literal, with_json_layout, Constraint};
 use crate::tokenizer::Tokenizer;
-
-pub use stream::{ToolCallParser, ToolEvent};
 
 /// One function the client declared (OpenAI `tools[i].function`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]

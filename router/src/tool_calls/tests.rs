@@ -1,3 +1,4 @@
+use super::stream::{ToolCallParser, ToolEvent};
 use super::*;
 use crate::detokenize::tests::byte_fallback_tokenizer;
 use crate::grammar::GrammarCompiler;
