@@ -6,9 +6,10 @@ A module that imports another must not be imported by it, directly or
 through others. What counts as an import:
 
 - Rust: every `crate::a::b`, `super::x` or `self::x` path in a file (in `use`
-  trees and inline in code), resolved to the file module that defines it
-  (`a/b.rs` or `a/b/mod.rs`); a file's inline `mod tests { .. }` counts as
-  the file. `mod x;` declarations are not imports, so a parent's methods
+  trees and inline in code), and every bare path that starts with the name
+  of one of the file's child modules (`stats::queue(..)` in `scheduler/mod.rs`),
+  resolved to the file module that defines it (`a/b.rs` or `a/b/mod.rs`); a
+  file's inline `mod tests { .. }` counts as the file. `mod x;` declarations are not imports, so a parent's methods
   implemented in child files (`impl Scheduler` in `scheduler/step.rs`) are
   not a circle as long as the parent does not import those children.
 - Python: every `import` / `from ... import` statement of the package,
@@ -147,8 +148,20 @@ def rust_graph(src: Path) -> Graph:
         found: list[tuple[str, int]] = []
         for use in _USE.finditer(text):
             found.extend((p, use.start()) for p in _expand_use_tree(use.group(1)))
-        for m in _PATH.finditer(_USE.sub(_blank, text)):
+        code = _USE.sub(_blank, text)
+        for m in _PATH.finditer(code):
             found.append((m.group(1), m.start()))
+        # A bare path that starts with a child module's name (`stats::queue(..)`,
+        # `use kv::KvCache`) means `self::child::..`.
+        children = [c[-1] for c in modules if len(c) == len(module) + 1 and c[: len(module)] == module]
+        if children:
+            bare = re.compile(r"(?<![\w:])(" + "|".join(map(re.escape, children)) + r")\s*::")
+            for m in bare.finditer(code):
+                found.append(("self::" + m.group(1), m.start()))
+            for use in _USE.finditer(text):
+                for p in _expand_use_tree(use.group(1)):
+                    if p.split("::")[0] in children:
+                        found.append(("self::" + p, use.start()))
         for p, pos in found:
             segments = [s for s in re.sub(r"\s+", "", p).split("::") if s]
             if not segments or segments[0] not in ("crate", "super", "self"):

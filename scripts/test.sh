@@ -24,6 +24,10 @@ export PATH="$HOME/.cargo/bin:$PATH"
 echo "== cargo test"
 cargo test --workspace --quiet
 
+# No module may import one that imports it back (router, launcher, shard).
+echo "== import cycles"
+python scripts/check_import_cycles.py
+
 # One pytest process per folder: each folder has its own conftest.py, and
 # tests import helpers from it by that module name. -rs prints every skip
 # with its reason.
