@@ -37,8 +37,8 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 NAME = "sluice_cpu_ops"  # the build's folder under TORCH_EXTENSIONS_DIR
-SOURCES = [CSRC / "cpu_attention.cpp", CSRC / "cpu_ops.cpp", CSRC / "cpu_quant_linear.cpp"]
-OPS = ("paged_decode_attention", "rms_norm", "rotary_", "silu_mul", "quant_linear", "dequantize")
+SOURCES = [CSRC / "cpu_attention.cpp", CSRC / "cpu_ops.cpp", CSRC / "cpu_quant_linear.cpp", CSRC / "cpu_q8_linear.cpp"]
+OPS = ("paged_decode_attention", "rms_norm", "rotary_", "silu_mul", "quant_linear", "dequantize", "q8_pack", "q8_linear")
 _lock = threading.Lock()
 # "ok": the outcome of the first load(); "reason": why the kernels are off;
 # "error": the BuildError of a failed build, raised again by every call.

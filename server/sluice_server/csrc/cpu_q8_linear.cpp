@@ -1,0 +1,682 @@
+// y = x W^T on GGUF weight blocks with int8 activations: llama.cpp's
+// arithmetic (Q4_1 x Q8_1, Q8_0 x Q8_0), run with integer dot products.
+//
+// Activations: each row of x is cut into blocks of 32 values and quantized
+// once per call, per block:  dx = max|x| / 127,  xq = round(x / dx) (int8),
+// sx = dx * sum(xq).  Weights: a block of 32 is  w = sw * wq + cw  with wq
+// unsigned 8-bit, which covers both GGUF formats used here:
+//
+//   Q4_1:  wq = the nibble (0..15),     sw = d,  cw = m
+//   Q8_0:  wq = q + 128 (0..255),       sw = d,  cw = -128 d
+//
+// so that, per output and block,
+//   sum_j w_j x_j  ~  sw * dx * dot(wq, xq)  +  cw * sx
+// where dot(u8, s8) is exact in int32 (VPDPBUSD / PMADDWD).
+//
+// Packed layout (built once at load by q8_pack): output rows in groups of 16,
+// so one 512-bit register holds 16 outputs and a step needs no horizontal sum.
+// For group g, block b (record of 64 + 256 bytes for 4-bit, 64 + 512 for 8-bit):
+//
+//   [ sw: 16 x fp16 ][ cw: 16 x fp16 ][ weights ]
+//   8-bit weights, chunk c = 0..7 (64 bytes each):  for n < 16: wq[n, 4c .. 4c+3]
+//   4-bit weights, chunk c = 0..3 (64 bytes each):  for n < 16, i < 4:
+//        byte = wq[n, 4c + i] | wq[n, 16 + 4c + i] << 4
+//        (low nibbles: K-chunk c, high nibbles: K-chunk c + 4)
+//
+// A K-chunk of 4 values of one activation row is broadcast to all 16 lanes and
+// multiplied with the 16 outputs' 4 weights: one VPDPBUSD per chunk.
+//
+// Kernels: AMX-INT8 tiles (many rows), AVX-512 VNNI, AVX-VNNI (256-bit), AVX2
+// (widening PMADDWD) and scalar, each compiled with its own target attribute
+// and chosen at run time from the CPU's features, so one build runs on any
+// x86-64 host and the tests run every kernel the host can execute against the
+// same reference.
+//
+// Batch invariance: an output's value depends only on its own row of x. The
+// per-block integer dot is exact whichever kernel computes it, and every
+// kernel applies the same float operations to it, block by block in the same
+// order:  acc = fma(dot, sw * dx, acc);  acc = fma(cw, sx, acc).  So on one
+// host, AMX (used for many rows) and AVX-512 VNNI (few rows) give bitwise the
+// same result, and a token's logits do not depend on its step's batch.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define SLUICE_X86 1
+#endif
+
+namespace {
+
+constexpr int64_t QK = 32;  // values per block
+constexpr int64_t NG = 16;  // outputs per group
+
+enum Format : int64_t { Q4_1 = 0, Q8_0 = 1 };
+enum Isa : int64_t { ISA_AUTO = 0, ISA_SCALAR = 1, ISA_AVX2 = 2, ISA_AVX_VNNI = 3, ISA_AVX512_VNNI = 4, ISA_AMX = 5 };
+
+inline int64_t gguf_block_bytes(int64_t f) { return f == Q4_1 ? 20 : 34; }
+inline int64_t weight_bytes(int64_t f) { return f == Q4_1 ? NG * QK / 2 : NG * QK; }
+inline int64_t record_bytes(int64_t f) { return 2 * NG * 2 + weight_bytes(f); }
+
+inline float fp16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+inline uint16_t to_fp16(float v) { return c10::Half(v).x; }
+
+// ---------------------------------------------------------------------------
+// Packing (load time)
+
+// One GGUF block -> (sw, cw, wq[32]).
+void unpack_gguf_block(int64_t f, const uint8_t* blk, float& sw, float& cw, uint8_t* wq) {
+  sw = fp16(blk);
+  if (f == Q4_1) {
+    cw = fp16(blk + 2);
+    for (int j = 0; j < 16; ++j) {
+      wq[j] = blk[4 + j] & 15;
+      wq[j + 16] = blk[4 + j] >> 4;
+    }
+  } else {
+    cw = -128.f * sw;
+    for (int j = 0; j < 32; ++j) wq[j] = static_cast<uint8_t>(static_cast<int8_t>(blk[2 + j]) + 128);
+  }
+}
+
+at::Tensor q8_pack(const at::Tensor& blocks, int64_t format, int64_t N, int64_t K) {
+  TORCH_CHECK(format == Q4_1 || format == Q8_0, "format must be 0 (Q4_1) or 1 (Q8_0)");
+  TORCH_CHECK(K % QK == 0, "K must be a multiple of 32");
+  const int64_t nb = K / QK, bb = gguf_block_bytes(format);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && blocks.numel() == N * nb * bb,
+              "blocks must be contiguous uint8 holding [N, K] in this format");
+  const int64_t groups = (N + NG - 1) / NG, rb = record_bytes(format);
+  at::Tensor packed = at::zeros({groups * nb * rb}, blocks.options());
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    uint8_t wq[QK];
+    for (int64_t g = g0; g < g1; ++g) {
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* rec = dst + (g * nb + b) * rb;
+        uint16_t* sw = reinterpret_cast<uint16_t*>(rec);
+        uint16_t* cw = sw + NG;
+        uint8_t* w = rec + 2 * NG * 2;
+        for (int64_t i = 0; i < NG; ++i) {
+          const int64_t n = g * NG + i;
+          if (n >= N) break;  // padding rows stay zero: they add nothing
+          float s, c;
+          unpack_gguf_block(format, src + (n * nb + b) * bb, s, c, wq);
+          sw[i] = to_fp16(s);
+          cw[i] = to_fp16(c);
+          if (format == Q8_0) {
+            for (int c8 = 0; c8 < 8; ++c8)
+              for (int k = 0; k < 4; ++k) w[c8 * 64 + i * 4 + k] = wq[c8 * 4 + k];
+          } else {
+            for (int c4 = 0; c4 < 4; ++c4)
+              for (int k = 0; k < 4; ++k)
+                w[c4 * 64 + i * 4 + k] = wq[c4 * 4 + k] | static_cast<uint8_t>(wq[16 + c4 * 4 + k] << 4);
+          }
+        }
+      }
+    }
+  });
+  return packed;
+}
+
+// ---------------------------------------------------------------------------
+// Activation quantization: x [M, K] -> xq [M, K] int8, dx, sx [M, K/32].
+
+struct QuantizedRows {
+  at::Tensor xq, dx, sx;
+  at::Tensor isum;  // [M, K/32] int32: sum(xq) per block
+};
+
+void quantize_block_scalar(const float* x, int8_t* q, float& d, float& s, int32_t& isum) {
+  float amax = 0.f;
+  for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(x[j]));
+  d = amax / 127.f;
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  int sum = 0;
+  for (int j = 0; j < QK; ++j) {
+    const int v = static_cast<int>(std::nearbyint(x[j] * inv));
+    q[j] = static_cast<int8_t>(v);
+    sum += v;
+  }
+  isum = sum;
+  s = d * static_cast<float>(sum);
+}
+
+#ifdef SLUICE_X86
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void quantize_block_avx512(const float* x, int8_t* q, float& d, float& s, int32_t& isum) {
+  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  d = amax / 127.f;
+  const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  // cvtps rounds to nearest even, as std::nearbyint does in the default mode.
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));
+  const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
+  isum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+  s = d * static_cast<float>(isum);
+}
+#endif
+
+QuantizedRows quantize_rows(const at::Tensor& x, bool avx512) {
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
+  QuantizedRows r{at::empty({M, K}, x.options().dtype(at::kChar)), at::empty({M, nb}, x.options()),
+                  at::empty({M, nb}, x.options()), at::empty({M, nb}, x.options().dtype(at::kInt))};
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = r.xq.data_ptr<int8_t>();
+  float* dp = r.dx.data_ptr<float>();
+  float* sp = r.sx.data_ptr<float>();
+  int32_t* ip = r.isum.data_ptr<int32_t>();
+  const int64_t xs = x.stride(0);
+  at::parallel_for(0, M * nb, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t m = i / nb, b = i % nb;
+      const float* src = xp + m * xs + b * QK;
+#ifdef SLUICE_X86
+      if (avx512) {
+        quantize_block_avx512(src, qp + i * QK, dp[i], sp[i], ip[i]);
+        continue;
+      }
+#endif
+      quantize_block_scalar(src, qp + i * QK, dp[i], sp[i], ip[i]);
+    }
+  });
+  return r;
+}
+
+// ---------------------------------------------------------------------------
+// Kernels. Each computes y[r0 : r0 + R, 16 g : 16 g + 16] for one group.
+
+struct Args {
+  const uint8_t* packed;
+  const int8_t* xq;
+  const float* dx;
+  const float* sx;
+  float* y;
+  int64_t K, nb, N, format;
+};
+
+void group_scalar(const Args& a, int64_t g, int64_t r0, int64_t R) {
+  const int64_t rb = record_bytes(a.format);
+  float acc[8][NG] = {};
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t* rec = a.packed + (g * a.nb + b) * rb;
+    const uint8_t* w = rec + 2 * NG * 2;
+    for (int64_t i = 0; i < NG; ++i) {
+      uint8_t wq[QK];
+      if (a.format == Q8_0) {
+        for (int c = 0; c < 8; ++c)
+          for (int k = 0; k < 4; ++k) wq[c * 4 + k] = w[c * 64 + i * 4 + k];
+      } else {
+        for (int c = 0; c < 4; ++c)
+          for (int k = 0; k < 4; ++k) {
+            const uint8_t byte = w[c * 64 + i * 4 + k];
+            wq[c * 4 + k] = byte & 15;
+            wq[16 + c * 4 + k] = byte >> 4;
+          }
+      }
+      const float sw = fp16(rec + 2 * i), cw = fp16(rec + 2 * NG + 2 * i);
+      for (int64_t r = 0; r < R; ++r) {
+        const int8_t* xq = a.xq + (r0 + r) * a.K + b * QK;
+        int32_t dot = 0;
+        for (int j = 0; j < QK; ++j) dot += static_cast<int32_t>(wq[j]) * xq[j];
+        const int64_t xi = (r0 + r) * a.nb + b;
+        acc[r][i] += static_cast<float>(dot) * (sw * a.dx[xi]) + cw * a.sx[xi];
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t i = 0; i < NG && g * NG + i < a.N; ++i) a.y[(r0 + r) * a.N + g * NG + i] = acc[r][i];
+}
+
+#ifdef SLUICE_X86
+template <int R, int64_t F>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void group_avx512(const Args& a, int64_t g,
+                                                                                          int64_t r0) {
+  constexpr int64_t rb = 2 * NG * 2 + (F == Q4_1 ? NG * QK / 2 : NG * QK);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const uint8_t* rec = a.packed + g * a.nb * rb;
+  const int32_t* xq = reinterpret_cast<const int32_t*>(a.xq + r0 * a.K);
+  const int64_t xq_row = a.K / 4;
+  const float* dx = a.dx + r0 * a.nb;
+  const float* sx = a.sx + r0 * a.nb;
+  for (int64_t b = 0; b < a.nb; ++b, rec += rb) {
+    const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
+    const __m512 cw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32)));
+    const uint8_t* wp = rec + 64;
+    __m512i w[8];
+    if constexpr (F == Q8_0) {
+      for (int c = 0; c < 8; ++c) w[c] = _mm512_loadu_si512(wp + 64 * c);
+    } else {
+      const __m512i mask = _mm512_set1_epi8(15);
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(wp + 64 * c);
+        w[c] = _mm512_and_si512(v, mask);
+        w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const int32_t* xr = xq + r * xq_row + b * 8;
+      __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
+      for (int c = 0; c < 8; c += 2) {
+        d0 = _mm512_dpbusd_epi32(d0, w[c], _mm512_set1_epi32(xr[c]));
+        d1 = _mm512_dpbusd_epi32(d1, w[c + 1], _mm512_set1_epi32(xr[c + 1]));
+      }
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1));
+      acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(sw, _mm512_set1_ps(dx[r * a.nb + b])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(cw, _mm512_set1_ps(sx[r * a.nb + b]), acc[r]);
+    }
+  }
+  const int64_t n0 = g * NG;
+  const __mmask16 keep = a.N - n0 >= NG ? __mmask16(0xFFFF) : __mmask16((1u << (a.N - n0)) - 1);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(a.y + (r0 + r) * a.N + n0, keep, acc[r]);
+}
+
+// 256-bit kernels: the 16 outputs of a group as two halves of 8.
+template <bool VNNI>
+inline __m256i dot_u8s8(__m256i acc, __m256i w, __m256i x);
+
+template <>
+__attribute__((target("avx2,avxvnni"))) inline __m256i dot_u8s8<true>(__m256i acc, __m256i w, __m256i x) {
+  return _mm256_dpbusd_avx_epi32(acc, w, x);
+}
+
+template <>
+__attribute__((target("avx2"))) inline __m256i dot_u8s8<false>(__m256i acc, __m256i w, __m256i x) {
+  // Widened to 16 bits, so no pair of products saturates (255 * 127 * 2 >
+  // 2^15). Within each 128-bit half, the low unpack holds bytes 0-7 and the
+  // high one bytes 8-15; PMADDWD sums byte pairs, and HADD the neighbouring
+  // pairs, leaving in lane i the sum over bytes 4i .. 4i+3, as VPDPBUSD does.
+  const __m256i zero = _mm256_setzero_si256();
+  const __m256i lo = _mm256_madd_epi16(_mm256_unpacklo_epi8(w, zero), _mm256_srai_epi16(_mm256_unpacklo_epi8(x, x), 8));
+  const __m256i hi = _mm256_madd_epi16(_mm256_unpackhi_epi8(w, zero), _mm256_srai_epi16(_mm256_unpackhi_epi8(x, x), 8));
+  return _mm256_add_epi32(acc, _mm256_hadd_epi32(lo, hi));
+}
+
+template <int R, int64_t F, bool VNNI>
+__attribute__((target("avx2,fma,f16c,avxvnni"))) void group_avx2(const Args& a, int64_t g, int64_t r0) {
+  constexpr int64_t rb = 2 * NG * 2 + (F == Q4_1 ? NG * QK / 2 : NG * QK);
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const uint8_t* rec = a.packed + g * a.nb * rb;
+  const float* dx = a.dx + r0 * a.nb;
+  const float* sx = a.sx + r0 * a.nb;
+  for (int64_t b = 0; b < a.nb; ++b, rec += rb) {
+    __m256 sw[2], cw[2];
+    for (int h = 0; h < 2; ++h) {
+      sw[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 16 * h)));
+      cw[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 + 16 * h)));
+    }
+    const uint8_t* wp = rec + 64;
+    __m256i w[8][2];
+    if constexpr (F == Q8_0) {
+      for (int c = 0; c < 8; ++c)
+        for (int h = 0; h < 2; ++h) w[c][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 64 * c + 32 * h));
+    } else {
+      const __m256i mask = _mm256_set1_epi8(15);
+      for (int c = 0; c < 4; ++c)
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 64 * c + 32 * h));
+          w[c][h] = _mm256_and_si256(v, mask);
+          w[c + 4][h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+      const int32_t* xr = reinterpret_cast<const int32_t*>(a.xq + (r0 + r) * a.K + b * QK);
+      __m256i d[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+      for (int c = 0; c < 8; ++c) {
+        const __m256i xb = _mm256_set1_epi32(xr[c]);
+        for (int h = 0; h < 2; ++h) d[h] = dot_u8s8<VNNI>(d[h], w[c][h], xb);
+      }
+      const __m256 scale = _mm256_set1_ps(dx[r * a.nb + b]), shift = _mm256_set1_ps(sx[r * a.nb + b]);
+      for (int h = 0; h < 2; ++h) {
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[h]), _mm256_mul_ps(sw[h], scale), acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(cw[h], shift, acc[r][h]);
+      }
+    }
+  }
+  const int64_t n0 = g * NG;
+  for (int r = 0; r < R; ++r) {
+    float* out = a.y + (r0 + r) * a.N + n0;
+    if (a.N - n0 >= NG) {
+      _mm256_storeu_ps(out, acc[r][0]);
+      _mm256_storeu_ps(out + 8, acc[r][1]);
+    } else {
+      alignas(32) float tmp[NG];
+      _mm256_store_ps(tmp, acc[r][0]);
+      _mm256_store_ps(tmp + 8, acc[r][1]);
+      std::copy(tmp, tmp + (a.N - n0), out);
+    }
+  }
+}
+
+// AMX-INT8: TDPBUSD multiplies unsigned bytes (A) by signed bytes (B), so the
+// roles are: A = activations + 128 (u8; rows = 16 tokens, 32 bytes = one
+// block), B = the weights as signed bytes ws (8 rows of K-quads x 16 outputs
+// x 4 bytes: the packed layout's chunk order), C = int32 [16 tokens x 16
+// outputs], one block per TDPBUSD so the block scales can be applied after it.
+// With ws = wq (Q4_1) or wq - 128 (Q8_0), and off = 0 or 128 respectively:
+//
+//   dot(wq, xq) = sum ws * (xq + 128)  -  128 * sum(ws)  +  off * sum(xq)
+//                 '-- C, from TDPBUSD'    '- per output'    '- per token'
+//
+// all exact in int32, so `dot` equals the VNNI kernels' and the float steps
+// after it are theirs, row by row.
+struct TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool amx_permitted() {
+  // Linux hands out the tile registers' state only on request, per process.
+  static const bool ok = [] {
+    if (!(__builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8"))) return false;
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+// Group g's weights as TDPBUSD's B operand, block after block (512 bytes
+// each), and 128 * sum(ws) per block and output.
+template <int64_t F>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void stage_weights(const Args& a, int64_t g,
+                                                                                     int8_t* bw, int32_t* corr) {
+  constexpr int64_t rb = 2 * NG * 2 + (F == Q4_1 ? NG * QK / 2 : NG * QK);
+  const uint8_t* rec = a.packed + g * a.nb * rb;
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t b = 0; b < a.nb; ++b, rec += rb) {
+    const uint8_t* wp = rec + 64;
+    int8_t* out = bw + b * 512;
+    __m512i sum = _mm512_setzero_si512();
+    if constexpr (F == Q8_0) {
+      const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+      for (int c = 0; c < 8; ++c) {
+        const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(wp + 64 * c), flip);
+        _mm512_storeu_si512(out + 64 * c, v);
+        sum = _mm512_dpbusd_epi32(sum, ones, v);
+      }
+    } else {
+      const __m512i mask = _mm512_set1_epi8(15);
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(wp + 64 * c);
+        const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+        _mm512_storeu_si512(out + 64 * c, lo);
+        _mm512_storeu_si512(out + 64 * (c + 4), hi);
+        sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sum, ones, lo), ones, hi);
+      }
+    }
+    _mm512_storeu_si512(corr + 16 * b, _mm512_slli_epi32(sum, 7));
+  }
+}
+
+struct AmxRows {
+  const uint8_t* xu8;   // [M rounded up to 16, K]: xq + 128, padding rows 128
+  const int32_t* isum;  // [M, nb]
+};
+
+// Rows [t0, t1) of y for group g; scratch: bw (nb * 512), corr (nb * 16), c (4 * 256).
+template <int64_t F>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,amx-tile,amx-int8"))) void group_amx(
+    const Args& a, const AmxRows& rows, int64_t g, int64_t t0, int64_t t1, int8_t* bw, int32_t* corr, int32_t* c) {
+  constexpr int64_t rb = 2 * NG * 2 + (F == Q4_1 ? NG * QK / 2 : NG * QK);
+  stage_weights<F>(a, g, bw, corr);
+  const int64_t n0 = g * NG;
+  const __mmask16 keep = a.N - n0 >= NG ? __mmask16(0xFFFF) : __mmask16((1u << (a.N - n0)) - 1);
+  for (int64_t tt = t0; tt < t1; tt += 16) {
+    const int64_t valid = std::min<int64_t>(16, t1 - tt);
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    const uint8_t* base = a.packed + g * a.nb * rb;
+    // Four blocks' products in flight (C tiles 0, 3, 4, 5), so the tile unit
+    // works on the next blocks while their predecessors' results are scaled.
+    for (int64_t b0 = 0; b0 < a.nb; b0 += 4) {
+      const int64_t nblk = std::min<int64_t>(4, a.nb - b0);
+      const uint8_t* xa = rows.xu8 + tt * a.K + b0 * QK;
+      const int8_t* wb = bw + b0 * 512;
+      _tile_zero(0);
+      _tile_loadd(1, xa, a.K);
+      _tile_loadd(2, wb, 64);
+      _tile_dpbusd(0, 1, 2);
+      if (nblk > 1) {
+        _tile_zero(3);
+        _tile_loadd(6, xa + QK, a.K);
+        _tile_loadd(7, wb + 512, 64);
+        _tile_dpbusd(3, 6, 7);
+      }
+      if (nblk > 2) {
+        _tile_zero(4);
+        _tile_loadd(1, xa + 2 * QK, a.K);
+        _tile_loadd(2, wb + 1024, 64);
+        _tile_dpbusd(4, 1, 2);
+      }
+      if (nblk > 3) {
+        _tile_zero(5);
+        _tile_loadd(6, xa + 3 * QK, a.K);
+        _tile_loadd(7, wb + 1536, 64);
+        _tile_dpbusd(5, 6, 7);
+      }
+      _tile_stored(0, c, 64);
+      if (nblk > 1) _tile_stored(3, c + 256, 64);
+      if (nblk > 2) _tile_stored(4, c + 512, 64);
+      if (nblk > 3) _tile_stored(5, c + 768, 64);
+      for (int64_t j = 0; j < nblk; ++j) {
+        const int64_t b = b0 + j;
+        const uint8_t* rec = base + b * rb;
+        const int32_t* cj = c + 256 * j;
+        const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
+        const __m512 cw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32)));
+        const __m512i shift = _mm512_loadu_si512(corr + 16 * b);
+        for (int64_t i = 0; i < valid; ++i) {
+          const int64_t xi = (tt + i) * a.nb + b;
+          __m512i dot = _mm512_sub_epi32(_mm512_loadu_si512(cj + 16 * i), shift);
+          if constexpr (F == Q8_0) dot = _mm512_add_epi32(dot, _mm512_set1_epi32(128 * rows.isum[xi]));
+          acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sw, _mm512_set1_ps(a.dx[xi])), acc[i]);
+          acc[i] = _mm512_fmadd_ps(cw, _mm512_set1_ps(a.sx[xi]), acc[i]);
+        }
+      }
+    }
+    for (int64_t i = 0; i < valid; ++i) _mm512_mask_storeu_ps(a.y + (tt + i) * a.N + n0, keep, acc[i]);
+  }
+}
+
+// Tokens per work item: their activations (K bytes each) stay in L2 while
+// every group of outputs passes over them.
+constexpr int64_t AMX_TOKENS_PER_ITEM = 256;
+
+void linear_amx(const Args& a, const QuantizedRows& q, int64_t M) {
+  const int64_t padded = (M + 15) / 16 * 16;
+  at::Tensor xu8 = at::empty({padded, a.K}, q.xq.options().dtype(at::kByte));
+  {
+    const int8_t* src = q.xq.data_ptr<int8_t>();
+    uint8_t* dst = xu8.data_ptr<uint8_t>();
+    for (int64_t i = 0; i < M * a.K; ++i) dst[i] = static_cast<uint8_t>(src[i]) ^ 0x80;
+    std::fill(dst + M * a.K, dst + padded * a.K, static_cast<uint8_t>(0x80));
+  }
+  const AmxRows rows{xu8.data_ptr<uint8_t>(), q.isum.data_ptr<int32_t>()};
+  const int64_t groups = (a.N + NG - 1) / NG;
+  const int64_t chunks = (M + AMX_TOKENS_PER_ITEM - 1) / AMX_TOKENS_PER_ITEM;
+  at::parallel_for(0, chunks * groups, 1, [&](int64_t i0, int64_t i1) {
+    TileConfig cfg;
+    cfg.rows[0] = 16, cfg.colsb[0] = 64;  // C: 16 tokens x 16 int32
+    cfg.rows[1] = 16, cfg.colsb[1] = 32;  // A: 16 tokens x one block
+    cfg.rows[2] = 8, cfg.colsb[2] = 64;   // B: 8 K-quads x 16 outputs x 4 bytes
+    for (int t : {3, 4, 5}) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // more C
+    cfg.rows[6] = 16, cfg.colsb[6] = 32;  // a second A
+    cfg.rows[7] = 8, cfg.colsb[7] = 64;   // a second B
+    _tile_loadconfig(&cfg);
+    std::vector<int8_t> bw(a.nb * 512);
+    std::vector<int32_t> corr(a.nb * 16), c(4 * 256);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t g = i % groups, t0 = (i / groups) * AMX_TOKENS_PER_ITEM;
+      const int64_t t1 = std::min(M, t0 + AMX_TOKENS_PER_ITEM);
+      if (a.format == Q4_1)
+        group_amx<Q4_1>(a, rows, g, t0, t1, bw.data(), corr.data(), c.data());
+      else
+        group_amx<Q8_0>(a, rows, g, t0, t1, bw.data(), corr.data(), c.data());
+    }
+    _tile_release();
+  });
+}
+#endif
+
+// Rows per register tile of each kernel; with AMX, the fewest rows that use it.
+constexpr int64_t AMX_MIN_ROWS = 8;
+constexpr int64_t TILE_AVX512 = 4;
+constexpr int64_t TILE_AVX2 = 2;
+
+template <int64_t F>
+void run_group(Isa isa, const Args& a, int64_t g, int64_t M) {
+#ifdef SLUICE_X86
+  if (isa == ISA_AVX512_VNNI) {
+    int64_t r0 = 0;
+    for (; r0 + TILE_AVX512 <= M; r0 += TILE_AVX512) group_avx512<TILE_AVX512, F>(a, g, r0);
+    switch (M - r0) {
+      case 3: group_avx512<3, F>(a, g, r0); break;
+      case 2: group_avx512<2, F>(a, g, r0); break;
+      case 1: group_avx512<1, F>(a, g, r0); break;
+      default: break;
+    }
+    return;
+  }
+  if (isa == ISA_AVX_VNNI || isa == ISA_AVX2) {
+    const bool vnni = isa == ISA_AVX_VNNI;
+    int64_t r0 = 0;
+    for (; r0 + TILE_AVX2 <= M; r0 += TILE_AVX2)
+      vnni ? group_avx2<TILE_AVX2, F, true>(a, g, r0) : group_avx2<TILE_AVX2, F, false>(a, g, r0);
+    if (r0 < M) vnni ? group_avx2<1, F, true>(a, g, r0) : group_avx2<1, F, false>(a, g, r0);
+    return;
+  }
+#endif
+  for (int64_t r0 = 0; r0 < M; r0 += 8) group_scalar(a, g, r0, std::min<int64_t>(8, M - r0));
+}
+
+bool host_has(Isa isa) {
+#ifdef SLUICE_X86
+  switch (isa) {
+    case ISA_AMX:
+      return host_has(ISA_AVX512_VNNI) && __builtin_cpu_supports("f16c") && amx_permitted();
+    case ISA_AVX512_VNNI:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    case ISA_AVX_VNNI:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+             __builtin_cpu_supports("avxvnni");
+    case ISA_AVX2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    default:
+      return true;
+  }
+#else
+  return isa == ISA_SCALAR || isa == ISA_AUTO;
+#endif
+}
+
+Isa best_isa() {
+  static const Isa best = [] {
+    for (Isa isa : {ISA_AVX512_VNNI, ISA_AVX_VNNI, ISA_AVX2})
+      if (host_has(isa)) return isa;
+    return ISA_SCALAR;
+  }();
+  return best;
+}
+
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t N, int64_t isa_code) {
+  TORCH_CHECK(format == Q4_1 || format == Q8_0, "format must be 0 (Q4_1) or 1 (Q8_0)");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, "x must be float32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % QK == 0, "K must be a multiple of 32");
+  const int64_t nb = K / QK, groups = (N + NG - 1) / NG;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.numel() == groups * nb * record_bytes(format),
+              "packed weight does not match [", N, ", ", K, "] in this format (see q8_pack)");
+  const Isa isa = isa_code == ISA_AUTO ? best_isa() : static_cast<Isa>(isa_code);
+  TORCH_CHECK(isa >= ISA_SCALAR && isa <= ISA_AMX, "unknown isa code ", isa_code);
+  TORCH_CHECK(host_has(isa), "this CPU cannot run isa code ", isa_code);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const QuantizedRows q = quantize_rows(x, isa == ISA_AVX512_VNNI || isa == ISA_AMX);
+  const Args a{packed.data_ptr<uint8_t>(), q.xq.data_ptr<int8_t>(), q.dx.data_ptr<float>(), q.sx.data_ptr<float>(),
+               y.data_ptr<float>(), K, nb, N, format};
+#ifdef SLUICE_X86
+  // Auto: tiles pay off from a few rows on (measured, benchmarks/step_bench.py).
+  if (isa == ISA_AMX || (isa_code == ISA_AUTO && M >= AMX_MIN_ROWS && host_has(ISA_AMX))) {
+    linear_amx(a, q, M);
+    return y;
+  }
+#endif
+  // Work items are (group, row tile): few rows split over outputs only; many
+  // rows also over row tiles so each item's weights are read once per tile.
+  const int64_t rows_per_item = 64;
+  const int64_t row_items = (M + rows_per_item - 1) / rows_per_item;
+  at::parallel_for(0, groups * row_items, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t g = i % groups, r = (i / groups) * rows_per_item;
+      const int64_t m = std::min(rows_per_item, M - r);
+      Args sub = a;
+      sub.xq = a.xq + r * K;
+      sub.dx = a.dx + r * nb;
+      sub.sx = a.sx + r * nb;
+      sub.y = a.y + r * N;
+      if (format == Q4_1)
+        run_group<Q4_1>(isa, sub, g, m);
+      else
+        run_group<Q8_0>(isa, sub, g, m);
+    }
+  });
+  return y;
+}
+
+// The activation quantization alone (tests compare it with a torch reference).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> q8_quantize(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 && x.size(1) % QK == 0,
+              "x must be float32 [M, K] with K a multiple of 32");
+  const QuantizedRows q = quantize_rows(x, host_has(ISA_AVX512_VNNI));
+  return {q.xq, q.dx, q.sx};
+}
+
+// Which kernels this host runs: isa codes, best first.
+std::vector<int64_t> q8_isas() {
+  std::vector<int64_t> out;
+  for (Isa isa : {ISA_AMX, ISA_AVX512_VNNI, ISA_AVX_VNNI, ISA_AVX2, ISA_SCALAR})
+    if (host_has(isa)) out.push_back(isa);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(sluice_cpu, m) {
+  m.def("q8_pack(Tensor blocks, int format, int out_features, int in_features) -> Tensor");
+  m.def("q8_linear(Tensor x, Tensor packed, int format, int out_features, int isa=0) -> Tensor");
+  m.def("q8_quantize(Tensor x) -> (Tensor, Tensor, Tensor)");
+  m.def("q8_isas() -> int[]");
+}
+
+TORCH_LIBRARY_IMPL(sluice_cpu, CPU, m) {
+  m.impl("q8_pack", &q8_pack);
+  m.impl("q8_linear", &q8_linear);
+  m.impl("q8_quantize", &q8_quantize);
+}
+
+TORCH_LIBRARY_IMPL(sluice_cpu, CatchAll, m) {
+  m.impl("q8_isas", &q8_isas);
+}
