@@ -59,7 +59,7 @@ def decode_meta(seq_lens: list[int], block_size: int, num_blocks: int, seed: int
     "hq,hkv,dim",
     [(9, 3, 64), (8, 8, 64), (8, 2, 128), (4, 1, 40)],  # SmolLM2; MHA; Llama-like; D not a multiple of 16
 )
-@pytest.mark.parametrize("seq_lens", [[1], [5, 17, 16, 33], [300, 2, 129]])
+@pytest.mark.parametrize("seq_lens", [[1], [5, 17, 16, 33], [300, 2, 129], [1000]])
 @pytest.mark.parametrize("window", [None, 1, 16, 100])  # sliding windows: from a block boundary and mid-block
 def test_paged_decode_attention_matches_sdpa(hq, hkv, dim, seq_lens, window):
     block_size = 16
@@ -78,6 +78,23 @@ def test_paged_decode_attention_matches_sdpa(hq, hkv, dim, seq_lens, window):
         backend.prepare(meta)
         outs.append(backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, LayerAttention(sliding_window=window)))
     torch.testing.assert_close(outs[1], outs[0], atol=2e-6, rtol=1e-5)
+
+
+def test_paged_decode_attention_does_not_depend_on_the_batch():
+    """A sequence's result is bitwise the same alone and among others (its
+    keys are split into parts by its own length only)."""
+    hq, hkv, dim, block_size = 9, 3, 64, 16
+    seq_lens = [700, 3, 130, 257]
+    meta = decode_meta(seq_lens, block_size, num_blocks=128, seed=7)
+    k_cache, v_cache = randn(128, block_size, hkv, dim, seed=1), randn(128, block_size, hkv, dim, seed=2)
+    q = randn(len(seq_lens), hq, dim, seed=3)
+    out = torch.empty_like(q)
+    op = torch.ops.sluice_cpu.paged_decode_attention
+    op(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, dim**-0.5)
+    for i in range(len(seq_lens)):
+        alone = torch.empty_like(q[i : i + 1])
+        op(alone, q[i : i + 1], k_cache, v_cache, meta.block_tables[i : i + 1], meta.seq_lens[i : i + 1], dim**-0.5)
+        assert torch.equal(alone, out[i : i + 1])
 
 
 def test_paged_decode_attention_rejects_bad_inputs():

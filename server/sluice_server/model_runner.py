@@ -21,7 +21,9 @@ from sluice_server.batch import Batch, RequestState, Work, build_batch
 from sluice_server.distributed import SINGLE, Distributed
 from sluice_server.kv_cache import KVCache
 from sluice_server.layers.backends import get_backend
-from sluice_server.layers.gguf_weights import MAX_ROWS as GGUF_MAX_ROWS, attach_gguf_weights
+from sluice_server.layers.cpu_decoder import CpuDecoder, build_cpu_decoder
+from sluice_server.layers.cpu_matmuls import CpuMatmuls, cpu_flags, native_bf16, plan_cpu_matmuls
+from sluice_server.layers.gguf_weights import attach_gguf_weights
 from sluice_server.layers.linear import pack_linear_weights
 from sluice_server.models import build_model, load_weights
 from sluice_server.pb import shard_pb2
@@ -43,25 +45,6 @@ class KVBudgetError(RuntimeError):
     """The KV cache cannot hold even one request of max_total_tokens."""
 
 
-def cpu_flags() -> set[str]:
-    """The CPU feature flags of /proc/cpuinfo (empty where it does not exist)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-# Instructions that make bf16 matmuls faster than float32 (Intel AMX, AVX-512
-# BF16 on Intel and AMD Zen 4+). Without them torch computes bf16 through
-# conversions: on the AVX2 development machine a bf16 matmul ran 0.2 GFLOP/s
-# against float32's 70.
-NATIVE_BF16_FLAGS = {"amx_bf16", "avx512_bf16"}
-
-
 def choose_dtype(requested: str, device: torch.device, config: dict, flags: set[str] | None = None) -> torch.dtype:
     """`auto`: on CUDA the checkpoint's half type (or bfloat16). On CPU
     bfloat16 only where both hold: the processor multiplies bf16 natively, and
@@ -75,7 +58,7 @@ def choose_dtype(requested: str, device: torch.device, config: dict, flags: set[
         return DTYPES[requested]
     stored = config.get("torch_dtype") or config.get("dtype")
     if device.type == "cpu":
-        native = bool(NATIVE_BF16_FLAGS & (cpu_flags() if flags is None else flags))
+        native = native_bf16(cpu_flags() if flags is None else flags)
         return torch.bfloat16 if native and stored == "bfloat16" else torch.float32
     return DTYPES[stored] if stored in ("bfloat16", "float16") else torch.bfloat16
 
@@ -143,16 +126,18 @@ class ModelRunner:
         self.config = json.loads(config_path.read_text())
         self.device = torch.device(device)
         self.dtype = choose_dtype(dtype, self.device, self.config)
+        self.cpu_matmuls: CpuMatmuls | None = None
+        # Decode steps in one C++ call (layers.cpu_decoder), where it applies.
+        self.cpu_decoder: CpuDecoder | None = None
         self.block_size = block_size
         self.dist = dist
         self.backend = get_backend(self.device, attention_backend)
         self.model = build_model(self.config, dist, self.backend, self.dtype, self.device)
         load_weights(self.model, self.model_dir)
         if self.device.type == "cpu" and pack_weights:
-            quantized = attach_gguf_weights(self.model, self.model_dir, dist.world_size)
-            packed = pack_linear_weights(self.model)
-            log.info("packed %d linear weights for oneDNN; %d run GGUF blocks at <= %d rows",
-                     packed, quantized, GGUF_MAX_ROWS)
+            self.cpu_matmuls = self._prepare_cpu_weights(dtype)
+            if self.cpu_matmuls.block_rows > 0:
+                self.cpu_decoder = build_cpu_decoder(self.model)
         cfg = self.model.config
         self.model_type: str = cfg.model_type
         self.vocab_size: int = cfg.vocab_size
@@ -163,6 +148,19 @@ class ModelRunner:
         self.num_kv_heads = self.model.num_local_kv_heads
         self.head_dim = cfg.head_dim
         self.kv_cache: KVCache | None = None
+
+    def _prepare_cpu_weights(self, requested_dtype: str) -> CpuMatmuls:
+        """Attaches the GGUF blocks and packs the dense weights as the plan
+        says (layers.cpu_matmuls); returns the plan that holds."""
+        plan = plan_cpu_matmuls(requested_dtype, self.dtype, cpu_flags())
+        blocks = attach_gguf_weights(
+            self.model, self.model_dir, self.dist.world_size, int8=plan.int8, max_rows=plan.block_rows
+        )
+        if not blocks:
+            plan = CpuMatmuls(int8=False, block_rows=0, dense_dtype=None)
+        packed = pack_linear_weights(self.model, plan.dense_dtype)
+        log.info("CPU matmuls: %s; %d layers with blocks, %d packed", plan.describe(), blocks, packed)
+        return plan
 
     # -- KV cache -----------------------------------------------------------
 
@@ -185,8 +183,11 @@ class ModelRunner:
         cache = kv_cache or self.kv_cache
         if cache is None:
             raise RuntimeError("KV cache not allocated: call warmup first")
-        self.backend.prepare(batch.attn)
-        hidden = self.model(batch.input_ids, batch.positions, cache.layers, batch.attn)
+        if self.cpu_decoder is not None and self.cpu_decoder.accepts(batch):
+            hidden = self.cpu_decoder.forward(batch, cache.layers)
+        else:
+            self.backend.prepare(batch.attn)
+            hidden = self.model(batch.input_ids, batch.positions, cache.layers, batch.attn)
         if batch.logits_indices.numel() == 0:
             return torch.empty(0, self.vocab_size)
         return self.model.compute_logits(hidden[batch.logits_indices]).cpu()

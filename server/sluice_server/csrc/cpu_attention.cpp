@@ -1,17 +1,27 @@
 // Paged decode attention for the CPU shard (float32).
 //
-// One new token per sequence attends to its whole context, read straight from
-// the paged KV cache through the block table: no gather of the context into a
-// contiguous copy, and each K and V row is read exactly once per step and KV
-// head (the G = Hq / Hkv query heads that share a KV head are served together):
+// One new token per sequence attends to its context, read straight from the
+// paged KV cache through the block table: no gather of the context into a
+// contiguous copy, and each K and V row is read once per step and KV head
+// (the G = Hq / Hkv query heads that share a KV head are served together).
 //
-//   for each (sequence b, kv head h)             -- parallel over b x h
-//     s[g, t] = scale * q[b, h*G + g] . K[t, h]   first[b] <= t < seq_len[b], g < G
-//     p[g, :] = softmax(s[g, :])
-//     out[b, h*G + g] = sum_t p[g, t] * V[t, h]
+// The keys of sequence b are [first, len): first is 0, or with a sliding
+// window W > 0 the window's first key, max(0, len - W) (the new token sees
+// its last W keys, itself included).
 //
-// first[b] is 0, or with a sliding window W > 0 the window's first key:
-// max(0, seq_len[b] - W) (the new token sees its last W keys, itself included).
+// Work items are (sequence b, kv head h, context part p): a step of one
+// sequence still keeps every core busy by cutting its keys into parts of
+// PART tokens, each reduced with its own softmax maximum and then merged
+// (split-KV, as flash-decoding does):
+//
+//   item (b, h, p), keys [t0, t1):
+//     s[g, t] = scale * q[b, h*G + g] . K[t, h]
+//     m[g] = max_t s[g, t];  l[g] = sum_t e^(s - m);  a[g, :] = sum_t e^(s - m) V[t, h]
+//   merge over p:  M = max_p m_p;  out[b, h*G + g] = sum_p e^(m_p - M) a_p / sum_p e^(m_p - M) l_p
+//
+// Parts depend on the sequence's own keys alone, so its result is bitwise
+// the same whatever else is in the step.
+//
 // Token t of sequence b lives in block tables[b, t / BS] at offset t % BS;
 // the cache is [num_blocks, BS, Hkv, D], so the rows of one block are
 // Hkv * D floats apart.
@@ -22,66 +32,230 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
+#include "sluice_cpu.h"
+
 namespace {
 
-#if defined(__AVX2__) && defined(__FMA__)
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
+// e^x for x <= 0 (softmax after the maximum is subtracted), written so the
+// compiler vectorizes loops over it: Cody-Waite reduction x = n ln2 + r, a
+// degree-6 polynomial for e^r (Cephes' expf, about 1 ulp), 2^n from the
+// exponent bits.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
 }
-#endif
 
-// s[g] = q[g] . k for the G query rows of one KV head (q rows D apart).
-inline void dots(const float* __restrict q, const float* __restrict k, int64_t G, int64_t D, float* s) {
-#if defined(__AVX2__) && defined(__FMA__)
-  if (D % 16 == 0) {
+// Keys per context part. Fixed, so a sequence's parts (and its result, bit
+// for bit) depend on its own keys alone; a one-sequence step of a 1,000-key
+// context still has 8 x Hkv items for the threads.
+constexpr int64_t PART = 128;
+
+struct Partial {
+  float* m;    // [G]
+  float* l;    // [G]
+  float* acc;  // [G, D]
+};
+
+// Where one work item reads: K/V rows of one kv head, keys [t0, t1).
+struct Keys {
+  const float* k;  // the caches, offset to this kv head
+  const float* v;
+  const int64_t* table;
+  int64_t t0, t1, BS, token_stride, block_stride;
+
+  const float* row(const float* cache, int64_t t) const {
+    return cache + table[t / BS] * block_stride + (t % BS) * token_stride;
+  }
+};
+
+// The portable version of one work item (any D, any G).
+void attend_part_generic(const float* __restrict q, const Keys& keys, int64_t G, int64_t D, float scale,
+                         std::vector<float>& scores, const Partial& out) {
+  const int64_t n = keys.t1 - keys.t0;
+  scores.resize(G * n);
+  for (int64_t g = 0; g < G; ++g) out.m[g] = -std::numeric_limits<float>::infinity();
+  for (int64_t t = keys.t0; t < keys.t1; ++t) {
+    const float* row = keys.row(keys.k, t);
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = q + g * D;
-      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-      for (int64_t i = 0; i < D; i += 16) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(k + i), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i + 8), _mm256_loadu_ps(k + i + 8), a1);
-      }
-      s[g] = hsum(_mm256_add_ps(a0, a1));
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t i = 0; i < D; ++i) dot += qg[i] * row[i];
+      const float sc = dot * scale;
+      scores[g * n + t - keys.t0] = sc;
+      out.m[g] = std::max(out.m[g], sc);
     }
-    return;
   }
-#endif
   for (int64_t g = 0; g < G; ++g) {
-    float acc = 0.f;
-    for (int64_t i = 0; i < D; ++i) acc += q[g * D + i] * k[i];
-    s[g] = acc;
+    float* sg = scores.data() + g * n;
+    const float m = out.m[g];
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      sg[t] = exp_nonpositive(sg[t] - m);
+      sum += sg[t];
+    }
+    out.l[g] = sum;
+  }
+  std::fill(out.acc, out.acc + G * D, 0.f);
+  for (int64_t t = keys.t0; t < keys.t1; ++t) {
+    const float* row = keys.row(keys.v, t);
+    for (int64_t g = 0; g < G; ++g) {
+      const float w = scores[g * n + t - keys.t0];
+      float* a = out.acc + g * D;
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) a[i] += w * row[i];
+    }
   }
 }
 
-// acc[g, :] += p[g * stride] * v for the G rows (acc rows D apart).
-inline void axpys(float* __restrict acc, const float* __restrict p, int64_t stride, const float* __restrict v,
-                  int64_t G, int64_t D) {
-  for (int64_t g = 0; g < G; ++g) {
-    const float w = p[g * stride];
-    float* a = acc + g * D;
-#if defined(__AVX2__) && defined(__FMA__)
-    if (D % 8 == 0) {
-      const __m256 wv = _mm256_set1_ps(w);
-      for (int64_t i = 0; i < D; i += 8)
-        _mm256_storeu_ps(a + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(a + i)));
-      continue;
+#if defined(__AVX512F__)
+// The 16 lane sums of v[0..16), in order: three rounds of pairwise shuffles
+// and adds (the lanes of two vectors folded into one), then one permute,
+// about 3 instructions per vector instead of a full horizontal sum each.
+inline __m512 sum16(__m512 v[16]) {
+  __m512 r[8], s[4], u[2];
+  for (int j = 0; j < 8; ++j)  // r_j: v_2j's 8 pair sums in lanes 0-7, v_2j+1's in 8-15
+    r[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xEE));
+  for (int k = 0; k < 4; ++k)  // s_k: quarter q holds token 4k + q's 4 partial sums
+    s[k] = _mm512_add_ps(_mm512_shuffle_f32x4(r[2 * k], r[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(r[2 * k], r[2 * k + 1], 0xDD));
+  for (int m = 0; m < 2; ++m)  // u_m: quarter q holds tokens 8m + q (lanes 0-1), 8m + 4 + q (2-3)
+    u[m] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * m], s[2 * m + 1], 0x44),
+                         _mm512_shuffle_ps(s[2 * m], s[2 * m + 1], 0xEE));
+  // w: lane 4q + j holds token 4j + q
+  const __m512 w = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x88), _mm512_shuffle_ps(u[0], u[1], 0xDD));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, w);
+}
+
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f),
+                                                        _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// One work item with DV = D / 16 vectors per head row and GB query rows at a
+// time (GB * DV <= 16 registers of queries, then of accumulators).
+template <int DV, int GB>
+void attend_part_avx512(const float* __restrict q, const Keys& keys, int64_t G, float scale, float* scores,
+                        const Partial& out) {
+  constexpr int64_t D = DV * 16;
+  const int64_t n = keys.t1 - keys.t0;  // <= PART
+  for (int64_t g0 = 0; g0 < G; g0 += GB) {
+    const int gb = static_cast<int>(std::min<int64_t>(GB, G - g0));
+    __m512 qv[GB][DV];
+    for (int g = 0; g < gb; ++g)
+      for (int c = 0; c < DV; ++c) qv[g][c] = _mm512_mul_ps(_mm512_loadu_ps(q + (g0 + g) * D + 16 * c),
+                                                           _mm512_set1_ps(scale));
+    // Scores, 16 keys at a time (the last group padded with zero rows).
+    __m512 mx[GB];
+    for (int g = 0; g < gb; ++g) mx[g] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t i0 = 0; i0 < n; i0 += 16) {
+      const int64_t cnt = std::min<int64_t>(16, n - i0);
+      __m512 part[GB][16];
+      for (int64_t i = 0; i < 16; ++i) {
+        if (i >= cnt) {
+          for (int g = 0; g < gb; ++g) part[g][i] = _mm512_setzero_ps();
+          continue;
+        }
+        const float* row = keys.row(keys.k, keys.t0 + i0 + i);
+        __m512 kv[DV];
+        for (int c = 0; c < DV; ++c) kv[c] = _mm512_loadu_ps(row + 16 * c);
+        for (int g = 0; g < gb; ++g) {
+          __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
+          for (int c = 1; c < DV; ++c) a = _mm512_fmadd_ps(qv[g][c], kv[c], a);
+          part[g][i] = a;
+        }
+      }
+      const __mmask16 valid = static_cast<__mmask16>(cnt == 16 ? 0xFFFF : (1u << cnt) - 1);
+      for (int g = 0; g < gb; ++g) {
+        const __m512 s = sum16(part[g]);
+        _mm512_storeu_ps(scores + g * PART + i0, s);
+        mx[g] = _mm512_mask_max_ps(mx[g], valid, mx[g], s);
+      }
     }
-#endif
-    for (int64_t i = 0; i < D; ++i) a[i] += w * v[i];
+    // e^(s - m) and the sums; padded lanes become 0.
+    for (int g = 0; g < gb; ++g) {
+      const float m = _mm512_reduce_max_ps(mx[g]);
+      const __m512 mv = _mm512_set1_ps(m);
+      __m512 sum = _mm512_setzero_ps();
+      float* sg = scores + g * PART;
+      for (int64_t i0 = 0; i0 < n; i0 += 16) {
+        const int64_t cnt = std::min<int64_t>(16, n - i0);
+        const __mmask16 valid = static_cast<__mmask16>(cnt == 16 ? 0xFFFF : (1u << cnt) - 1);
+        const __m512 e = _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sg + i0), mv)));
+        _mm512_storeu_ps(sg + i0, e);
+        sum = _mm512_add_ps(sum, e);
+      }
+      out.m[g0 + g] = m;
+      out.l[g0 + g] = _mm512_reduce_add_ps(sum);
+    }
+    // Values, accumulators in registers.
+    __m512 acc[GB][DV];
+    for (int g = 0; g < gb; ++g)
+      for (int c = 0; c < DV; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) {
+      const float* row = keys.row(keys.v, keys.t0 + i);
+      __m512 vv[DV];
+      for (int c = 0; c < DV; ++c) vv[c] = _mm512_loadu_ps(row + 16 * c);
+      for (int g = 0; g < gb; ++g) {
+        const __m512 w = _mm512_set1_ps(scores[g * PART + i]);
+        for (int c = 0; c < DV; ++c) acc[g][c] = _mm512_fmadd_ps(w, vv[c], acc[g][c]);
+      }
+    }
+    for (int g = 0; g < gb; ++g)
+      for (int c = 0; c < DV; ++c) _mm512_storeu_ps(out.acc + (g0 + g) * D + 16 * c, acc[g][c]);
   }
+}
+#endif
+
+void attend_part(const float* q, const Keys& keys, int64_t G, int64_t D, float scale, std::vector<float>& scores,
+                 const Partial& out) {
+#if defined(__AVX512F__)
+  scores.resize(std::max<int64_t>(G, 8) * PART);
+  if (D == 64) return attend_part_avx512<4, 4>(q, keys, G, scale, scores.data(), out);
+  if (D == 128) return attend_part_avx512<8, 2>(q, keys, G, scale, scores.data(), out);
+#endif
+  attend_part_generic(q, keys, G, D, scale, scores, out);
 }
 
 }  // namespace
+
+namespace sluice_cpu {
 
 void paged_decode_attention(
     at::Tensor out,           // [B, Hq, D] (rows may be strided)
@@ -121,68 +295,60 @@ void paged_decode_attention(
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int64_t q_row = q.stride(0), o_row = out.stride(0), t_row = block_tables.stride(0);
   const int64_t token_stride = Hkv * D, block_stride = BS * Hkv * D;
+  std::vector<int64_t> first(B), parts(B), first_item(B + 1, 0);
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(lens[b] > 0 && lens[b] <= max_blocks * BS, "seq_len out of the block table's range");
-    for (int64_t j = 0; j < (lens[b] + BS - 1) / BS; ++j) {
+    first[b] = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
+    for (int64_t j = first[b] / BS; j < (lens[b] + BS - 1) / BS; ++j) {
       const int64_t blk = tables[b * t_row + j];
       TORCH_CHECK(blk >= 0 && blk < NB, "block id out of range");
     }
+    parts[b] = (lens[b] - first[b] + PART - 1) / PART;
+    first_item[b + 1] = first_item[b] + Hkv * parts[b];
   }
+  const int64_t items = first_item[B];
+  std::vector<float> part_m(items * G), part_l(items * G), part_acc(items * G * D);
+  const float sc = static_cast<float>(scale);
 
-  // One sequence per work item: its context is walked token row by token
-  // row ([Hkv, D] contiguous within a block), all heads at once, which the
-  // hardware prefetcher streams; head-major walks (one head's 256-byte slice
-  // of every row) measured 2x slower on the development machine.
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, maxes(Hq), acc(Hq * D), s_tok(G);
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t len = lens[b];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t n_keys = len - first;  // scores of key t at [r * n_keys + t - first]
-      const float* qb = qp + b * q_row;
-      const int64_t* table = tables + b * t_row;
-      scores.resize(Hq * n_keys);
-      std::fill(maxes.begin(), maxes.end(), -std::numeric_limits<float>::infinity());
-      // Keys [first, len), one block's run of rows at a time: [t, t + n).
-      for (int64_t t = first, n; t < len; t += n) {
-        const float* row = kp + table[t / BS] * block_stride + (t % BS) * token_stride;
-        n = std::min(BS - t % BS, len - t);
-        for (int64_t i = 0; i < n; ++i, row += token_stride) {
-          for (int64_t h = 0; h < Hkv; ++h) {
-            dots(qb + h * G * D, row + h * D, G, D, s_tok.data());
-            for (int64_t g = 0; g < G; ++g) {
-              const int64_t r = h * G + g;
-              const float s = s_tok[g] * static_cast<float>(scale);
-              scores[r * n_keys + t - first + i] = s;
-              maxes[r] = std::max(maxes[r], s);
-            }
-          }
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = std::upper_bound(first_item.begin(), first_item.end(), i) - first_item.begin() - 1;
+      const int64_t local = i - first_item[b], h = local / parts[b], p = local % parts[b];
+      const int64_t t0 = first[b] + p * PART, t1 = std::min(lens[b], t0 + PART);
+      const Keys keys{kp + h * D, vp + h * D, tables + b * t_row, t0, t1, BS, token_stride, block_stride};
+      const Partial part{part_m.data() + i * G, part_l.data() + i * G, part_acc.data() + i * G * D};
+      attend_part(qp + b * q_row + h * G * D, keys, G, D, sc, scores, part);
+    }
+  });
+
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / Hkv, h = bh % Hkv;
+      const int64_t item0 = first_item[b] + h * parts[b];
+      for (int64_t g = 0; g < G; ++g) {
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t p = 0; p < parts[b]; ++p) m = std::max(m, part_m[(item0 + p) * G + g]);
+        float l = 0.f;
+        float* o = op + b * o_row + (h * G + g) * D;
+        std::fill(o, o + D, 0.f);
+        for (int64_t p = 0; p < parts[b]; ++p) {
+          const int64_t k = (item0 + p) * G + g;
+          const float w = exp_nonpositive(part_m[k] - m);
+          l += w * part_l[k];
+          const float* a = part_acc.data() + k * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
         }
+        const float inv = 1.f / l;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
       }
-      for (int64_t r = 0; r < Hq; ++r) {
-        float* s = scores.data() + r * n_keys;
-        float sum = 0.f;
-        for (int64_t t = 0; t < n_keys; ++t) {
-          s[t] = std::exp(s[t] - maxes[r]);
-          sum += s[t];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < n_keys; ++t) s[t] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = first, n; t < len; t += n) {
-        const float* row = vp + table[t / BS] * block_stride + (t % BS) * token_stride;
-        n = std::min(BS - t % BS, len - t);
-        for (int64_t i = 0; i < n; ++i, row += token_stride) {
-          for (int64_t h = 0; h < Hkv; ++h)
-            axpys(acc.data() + h * G * D, scores.data() + h * G * n_keys + t - first + i, n_keys, row + h * D, G, D);
-        }
-      }
-      float* ob = op + b * o_row;
-      std::copy(acc.begin(), acc.end(), ob);
     }
   });
 }
+
+}  // namespace sluice_cpu
 
 TORCH_LIBRARY_FRAGMENT(sluice_cpu, m) {
   m.def(
@@ -191,5 +357,5 @@ TORCH_LIBRARY_FRAGMENT(sluice_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(sluice_cpu, CPU, m) {
-  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_decode_attention", &sluice_cpu::paged_decode_attention);
 }

@@ -11,6 +11,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "sluice_cpu.h"
+
 #include <cmath>
 #include <optional>
 #include <tuple>
@@ -23,6 +25,8 @@ void check_float_rows(const at::Tensor& x, const char* name) {
 }
 
 }  // namespace
+
+namespace sluice_cpu {
 
 std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& residual,
                                             const at::Tensor& weight, double eps) {
@@ -108,6 +112,8 @@ at::Tensor silu_mul(const at::Tensor& x) {
   return out;
 }
 
+}  // namespace sluice_cpu
+
 TORCH_LIBRARY_FRAGMENT(sluice_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
@@ -115,7 +121,7 @@ TORCH_LIBRARY_FRAGMENT(sluice_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(sluice_cpu, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("rotary_", &rotary_);
-  m.impl("silu_mul", &silu_mul);
+  m.impl("rms_norm", &sluice_cpu::rms_norm);
+  m.impl("rotary_", &sluice_cpu::rotary_);
+  m.impl("silu_mul", &sluice_cpu::silu_mul);
 }

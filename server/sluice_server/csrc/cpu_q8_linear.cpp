@@ -44,6 +44,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "sluice_cpu.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -600,6 +602,10 @@ Isa best_isa() {
   return best;
 }
 
+}  // namespace
+
+namespace sluice_cpu {
+
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t N, int64_t isa_code) {
   TORCH_CHECK(format == Q4_1 || format == Q8_0, "format must be 0 (Q4_1) or 1 (Q8_0)");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, "x must be float32 [M, K]");
@@ -646,6 +652,10 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t form
   return y;
 }
 
+}  // namespace sluice_cpu
+
+namespace {
+
 // The activation quantization alone (tests compare it with a torch reference).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> q8_quantize(const at::Tensor& x) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 && x.size(1) % QK == 0,
@@ -673,7 +683,7 @@ TORCH_LIBRARY_FRAGMENT(sluice_cpu, m) {
 
 TORCH_LIBRARY_IMPL(sluice_cpu, CPU, m) {
   m.impl("q8_pack", &q8_pack);
-  m.impl("q8_linear", &q8_linear);
+  m.impl("q8_linear", &sluice_cpu::q8_linear);
   m.impl("q8_quantize", &q8_quantize);
 }
 

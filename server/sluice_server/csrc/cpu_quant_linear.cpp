@@ -15,6 +15,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "sluice_cpu.h"
+
 #include <algorithm>
 #include <cstring>
 
@@ -131,6 +133,10 @@ void rows_scalar(Format f, const uint8_t* wp, int64_t n0, int64_t n1, int64_t nb
   }
 }
 
+}  // namespace
+
+namespace sluice_cpu {
+
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t out_features) {
   TORCH_CHECK(format == 0 || format == 1, "format must be 0 (Q4_1) or 1 (Q8_0)");
   const Format f = format == 0 ? Format::Q4_1 : Format::Q8_0;
@@ -171,6 +177,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t f
   return out;
 }
 
+}  // namespace sluice_cpu
+
+namespace {
+
 // The float32 weight [N, K] a block tensor stands for (tests, load-time checks).
 at::Tensor dequantize(const at::Tensor& weight, int64_t format, int64_t out_features, int64_t in_features) {
   const Format f = format == 0 ? Format::Q4_1 : Format::Q8_0;
@@ -196,6 +206,6 @@ TORCH_LIBRARY_FRAGMENT(sluice_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(sluice_cpu, CPU, m) {
-  m.impl("quant_linear", &quant_linear);
+  m.impl("quant_linear", &sluice_cpu::quant_linear);
   m.impl("dequantize", &dequantize);
 }

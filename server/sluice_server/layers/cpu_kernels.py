@@ -20,7 +20,12 @@ tests), not quietly turn into the slower fallback.
     silu_mul(x): the small ops of a layer, one pass each (cpu_ops.cpp), used by
         layers.ops.CpuOps
     quant_linear(x, blocks, format, out_features); dequantize(...): matmuls on
-        GGUF's Q4_1 / Q8_0 blocks (cpu_quant_linear.cpp), see layers.gguf_weights
+        GGUF's Q4_1 / Q8_0 blocks expanded to float32 (cpu_quant_linear.cpp)
+    q8_pack(blocks, ...); q8_linear(x, packed, format, out_features, isa=0):
+        the same blocks with int8 activations (cpu_q8_linear.cpp); see
+        layers.gguf_weights
+    torch.classes.sluice_cpu.LlamaDecoder: a decode step through every layer
+        in one call (cpu_decoder.cpp), see layers.cpu_decoder
 """
 
 from __future__ import annotations
@@ -37,8 +42,18 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 NAME = "sluice_cpu_ops"  # the build's folder under TORCH_EXTENSIONS_DIR
-SOURCES = [CSRC / "cpu_attention.cpp", CSRC / "cpu_ops.cpp", CSRC / "cpu_quant_linear.cpp", CSRC / "cpu_q8_linear.cpp"]
-OPS = ("paged_decode_attention", "rms_norm", "rotary_", "silu_mul", "quant_linear", "dequantize", "q8_pack", "q8_linear")
+SOURCES = [
+    CSRC / "cpu_attention.cpp",
+    CSRC / "cpu_ops.cpp",
+    CSRC / "cpu_quant_linear.cpp",
+    CSRC / "cpu_q8_linear.cpp",
+    CSRC / "cpu_decoder.cpp",
+]
+HEADERS = [CSRC / "sluice_cpu.h"]
+OPS = (
+    "paged_decode_attention", "rms_norm", "rotary_", "silu_mul", "quant_linear", "dequantize",
+    "q8_pack", "q8_linear", "q8_quantize", "q8_isas",
+)
 _lock = threading.Lock()
 # "ok": the outcome of the first load(); "reason": why the kernels are off;
 # "error": the BuildError of a failed build, raised again by every call.
@@ -125,18 +140,31 @@ def load() -> bool:
         return True
 
 
+def _headers_hash() -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    for header in HEADERS:
+        digest.update(header.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def _build() -> None:
     from torch.utils.cpp_extension import load as load_extension
 
     load_extension(
         name=build_folder_name(),
         sources=[str(p) for p in SOURCES],
-        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        # torch rebuilds when a source or a flag changes; the headers' hash in
+        # a flag makes it rebuild when only a header changed.
+        extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DSLUICE_HEADERS_HASH={_headers_hash()}"],
         extra_ldflags=["-fopenmp"],
         is_python_module=False,
         verbose=False,
     )
     missing = [op for op in OPS if not hasattr(torch.ops.sluice_cpu, op)]
+    if not hasattr(torch.classes.sluice_cpu, "LlamaDecoder"):
+        missing.append("LlamaDecoder")
     if missing:
         raise RuntimeError(f"ops not registered: {', '.join(missing)}")
 

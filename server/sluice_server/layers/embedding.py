@@ -18,7 +18,6 @@ from torch import nn
 import torch.nn.functional as F
 
 from sluice_server.distributed import Distributed
-from sluice_server.layers.gguf_weights import usable_for
 from sluice_server.layers.linear import can_pack_for_cpu, pack_for_cpu, packed_linear
 
 
@@ -62,16 +61,16 @@ class ParallelLMHead(VocabParallelEmbedding):
     packed: torch.Tensor | None = None
     quantized = None  # GGUF blocks (layers.gguf_weights)
 
-    def pack_for_cpu_(self) -> bool:
+    def pack_for_cpu_(self, dtype: torch.dtype | None = None) -> bool:
         """Packs a copy of the weight for oneDNN (see layers.linear). The dense
         weight stays: with tied embeddings it is also the embedding table."""
         if self.packed is not None or not can_pack_for_cpu(self.weight):
             return False
-        self.packed = pack_for_cpu(self.weight)
+        self.packed = pack_for_cpu(self.weight, dtype)
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantized is not None and usable_for(x):
+        if self.quantized is not None and self.quantized.handles(x):
             logits = self.quantized.linear(x)
         elif self.packed is not None:
             logits = packed_linear(x, self.packed, None)

@@ -5,15 +5,24 @@ gguf_convert.py); that folder is what every path computes with. On CPU the
 weights of a decode step are read from memory once per step, which is the
 whole cost at small batches: Q4_1 blocks are 0.625 bytes per weight against
 float32's 4. So, for each linear layer whose GGUF tensors are in a block
-format the C++ kernel reads (Q4_1, Q8_0), the raw blocks are attached too,
-and matmuls of at most `MAX_ROWS` rows run on them (`cpu_kernels`
-`quant_linear`); larger ones (prefill, big decode batches) keep the packed
-float32 weights, where the kernel's on-the-fly expansion would cost more than
-the bytes it saves.
+format the C++ kernels read (Q4_1, Q8_0), the blocks are attached too, and
+matmuls of at most `max_rows` rows run on them; larger ones (prefill, big
+decode batches) keep the packed dense weights (layers.linear).
 
-Faithful by construction: the blocks are attached only where they expand to
-exactly the float32 weight the layer holds (the same numbers, summed in
-another order). The GGUF's row order differs for q/k (llama.cpp permutes
+Two arithmetics on the blocks (`QuantizedWeight.int8`):
+
+- exact (`--dtype float32`): each block is expanded to float32 in registers
+  (`quant_linear`): the same numbers as the float32 weight, summed in another
+  order, so the results equal the float32 path's up to rounding.
+- int8 activations (`--dtype auto`): llama.cpp's arithmetic. Each activation
+  row is quantized to int8 per block of 32 and multiplied with the blocks by
+  integer dot products (`q8_linear`, AMX / AVX-512 VNNI / AVX-VNNI / AVX2):
+  several times faster, at an accuracy cost measured by
+  benchmarks/quality.py. A row's result is the same whatever else is in its
+  matmul (see cpu_q8_linear.cpp).
+
+The blocks are attached only where they expand to exactly the float32 weight
+the layer holds. The GGUF's row order differs for q/k (llama.cpp permutes
 them for its rotary layout), so each tensor's rows are matched to the
 layer's rows by content rather than by a hard-coded permutation.
 
@@ -29,7 +38,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,24 +52,28 @@ log = logging.getLogger(__name__)
 
 # GGUF tensor type name -> the kernel's format code.
 FORMATS = {"Q4_1": 0, "Q8_0": 1}
-# The kernel beats packed float32 up to this many rows (decode batches);
-# measured on the 2-core AVX2 development machine, see benchmarks/step_bench.py.
-# SLUICE_GGUF_MAX_ROWS overrides it (0: never use the blocks).
-MAX_ROWS = int(os.environ.get("SLUICE_GGUF_MAX_ROWS", "16"))
 
 
 @dataclass
 class QuantizedWeight:
-    blocks: torch.Tensor  # uint8, [N * K/32 * block_bytes], rows in the layer's order
+    """One layer's GGUF blocks in the form its kernel reads."""
+
+    # uint8. exact: the GGUF blocks, [N * K/32 * block_bytes], rows in the
+    # layer's order; int8: the same blocks repacked by q8_pack.
+    data: torch.Tensor
     format: int
     out_features: int
+    int8: bool
+    # Matmuls of at most this many rows run here; larger ones on the dense weights.
+    max_rows: int
+
+    def handles(self, x: torch.Tensor) -> bool:
+        return x.dim() == 2 and x.shape[0] <= self.max_rows and x.dtype == torch.float32 and x.device.type == "cpu"
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.sluice_cpu.quant_linear(x, self.blocks, self.format, self.out_features)
-
-
-def usable_for(x: torch.Tensor) -> bool:
-    return x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu"
+        if self.int8:
+            return torch.ops.sluice_cpu.q8_linear(x, self.data, self.format, self.out_features)
+        return torch.ops.sluice_cpu.quant_linear(x, self.data, self.format, self.out_features)
 
 
 def gguf_source(folder: Path) -> Path | None:
@@ -100,11 +112,12 @@ def _match_rows(blocks: np.ndarray, fmt: int, want: torch.Tensor) -> np.ndarray 
     return blocks[order]
 
 
-def attach_gguf_weights(model: nn.Module, folder: Path, world_size: int) -> int:
+def attach_gguf_weights(model: nn.Module, folder: Path, world_size: int, *, int8: bool, max_rows: int) -> int:
     """Attaches the GGUF blocks to every layer they match exactly (before the
-    float32 weights are packed); returns how many layers got them."""
+    float32 weights are packed), for matmuls of at most `max_rows` rows, with
+    int8 activations or exact; returns how many layers got them."""
     gguf = gguf_source(folder)
-    if gguf is None or world_size != 1 or not cpu_kernels.load():
+    if gguf is None or world_size != 1 or max_rows <= 0 or not cpu_kernels.load():
         return 0
     from gguf import GGUFReader
 
@@ -131,6 +144,8 @@ def attach_gguf_weights(model: nn.Module, folder: Path, world_size: int) -> int:
             log.warning("GGUF blocks of %s do not match the loaded weight; using float32 only", names[0])
             continue
         blocks = torch.from_numpy(np.concatenate(rows)).reshape(-1)
-        module.quantized = QuantizedWeight(blocks, fmt, weight.shape[0])
+        n, k = weight.shape
+        data = torch.ops.sluice_cpu.q8_pack(blocks, fmt, n, k) if int8 else blocks
+        module.quantized = QuantizedWeight(data, fmt, n, int8, max_rows)
         attached += 1
     return attached

@@ -19,7 +19,6 @@ from torch import nn
 import torch.nn.functional as F
 
 from sluice_server.distributed import Distributed, shard_range
-from sluice_server.layers.gguf_weights import usable_for
 
 # oneDNN's packed-weight linear (the op torch's own CPU compiler emits for
 # frozen weights), in place of F.linear (MKL sgemm on a plain row-major
@@ -38,14 +37,21 @@ def can_pack_for_cpu(weight: torch.Tensor) -> bool:
     )
 
 
-def pack_for_cpu(weight: torch.Tensor) -> torch.Tensor:
-    """The weight [out, in] reordered into oneDNN's blocked layout (an opaque
-    tensor only `packed_linear` reads)."""
-    return _MKLDNN._reorder_linear_weight(weight.detach().contiguous())
+def pack_for_cpu(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The weight [out, in] (cast to `dtype`) reordered into oneDNN's blocked
+    layout (an opaque tensor only `packed_linear` reads)."""
+    weight = weight.detach()
+    return _MKLDNN._reorder_linear_weight(weight.to(dtype or weight.dtype).contiguous())
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return _MKLDNN._linear_pointwise(x, packed, bias, "none", [], "")
+    """x @ W^T + bias on a packed weight. A weight packed in another dtype
+    than x (bfloat16 under float32 activations) is multiplied in its own
+    dtype, accumulated in float32 by oneDNN, and returned in x's dtype."""
+    if packed.dtype == x.dtype:
+        return _MKLDNN._linear_pointwise(x, packed, bias, "none", [], "")
+    bias = None if bias is None else bias.to(packed.dtype)
+    return _MKLDNN._linear_pointwise(x.to(packed.dtype), packed, bias, "none", [], "").to(x.dtype)
 
 
 class PackableLinear(nn.Module):
@@ -60,15 +66,15 @@ class PackableLinear(nn.Module):
     # GGUF blocks of the same weight, for few-row matmuls (layers.gguf_weights).
     quantized = None
 
-    def pack_for_cpu_(self) -> bool:
+    def pack_for_cpu_(self, dtype: torch.dtype | None = None) -> bool:
         if self.packed is not None or not can_pack_for_cpu(self.weight):
             return False
-        self.packed = pack_for_cpu(self.weight)
+        self.packed = pack_for_cpu(self.weight, dtype)
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)
         return True
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.quantized is not None and usable_for(x):
+        if self.quantized is not None and self.quantized.handles(x):
             y = self.quantized.linear(x)
             return y if bias is None else y + bias
         if self.packed is not None:
@@ -76,10 +82,11 @@ class PackableLinear(nn.Module):
         return F.linear(x, self.weight, bias)
 
 
-def pack_linear_weights(model: nn.Module) -> int:
+def pack_linear_weights(model: nn.Module, dtype: torch.dtype | None = None) -> int:
     """Packs every layer of `model` that has `pack_for_cpu_` (the linear
-    layers and the LM head); returns how many were packed."""
-    return sum(m.pack_for_cpu_() for m in model.modules() if hasattr(m, "pack_for_cpu_"))
+    layers and the LM head), in `dtype` (default: the weight's own); returns
+    how many were packed."""
+    return sum(m.pack_for_cpu_(dtype) for m in model.modules() if hasattr(m, "pack_for_cpu_"))
 
 
 def _check_shape(name: str, got, want) -> None:

@@ -1,0 +1,23 @@
+// The CPU kernels as C++ functions, for code that composes them without a
+// trip through Python (cpu_decoder.cpp). Each is also registered as the op
+// torch.ops.sluice_cpu.<name>; the .cpp files document them.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+
+namespace sluice_cpu {
+
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                                            const at::Tensor& weight, double eps);
+void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor silu_mul(const at::Tensor& x);
+void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                            double scale, int64_t window);
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t out_features);
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t N, int64_t isa_code);
+
+}  // namespace sluice_cpu

@@ -1,0 +1,89 @@
+"""Which arithmetic the CPU shard's matrix multiplies use, decided once at load.
+
+A linear layer on CPU can hold up to two forms of its weight (layers.linear):
+GGUF blocks for matmuls of few rows (layers.gguf_weights) and a dense weight
+packed for oneDNN for the rest. The plan says which forms and dtypes:
+
+    --dtype      GGUF model + CPU kernels               otherwise
+    auto         int8 activations on the blocks for      the dense weights in
+                 steps of <= int8_rows rows; above,      the model's dtype
+                 dense bfloat16 where the CPU multiplies
+                 it natively, else float32
+    float32      blocks expanded exactly (<= 16 rows),   float32
+                 dense float32 above
+    bfloat16 ... no blocks; dense in that dtype
+
+`auto` is the fast path and not bitwise the float32 model; its accuracy
+against float32 is measured by benchmarks/quality.py and reported in the
+README. `float32` is token-identical to transformers in float32 (the golden
+tests). SLUICE_GGUF_MAX_ROWS overrides the row limit of either block path
+(0: never use the blocks).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+# Instructions that make bf16 matmuls faster than float32 (Intel AMX, AVX-512
+# BF16 on Intel and AMD Zen 4+). Without them torch computes bf16 through
+# conversions: on an AVX2-only EPYC a bf16 matmul ran 0.2 GFLOP/s against
+# float32's 70.
+NATIVE_BF16_FLAGS = {"amx_bf16", "avx512_bf16"}
+
+# Rows up to which the blocks beat the dense weights (benchmarks/step_bench.py
+# --paths): int8 with AVX-512 VNNI / AMX against AMX bf16 on a Sapphire Rapids
+# host; with AVX2 only, against float32; the exact expansion against float32
+# on an AVX2 EPYC.
+INT8_ROWS_AVX512 = 16
+INT8_ROWS_AVX2 = 8
+EXACT_ROWS = 16
+
+
+def cpu_flags() -> set[str]:
+    """The CPU feature flags of /proc/cpuinfo (empty where it does not exist)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def native_bf16(flags: set[str]) -> bool:
+    return bool(NATIVE_BF16_FLAGS & flags)
+
+
+@dataclass(frozen=True)
+class CpuMatmuls:
+    # Activations quantized to int8 on the blocks (else the exact expansion).
+    int8: bool
+    # Matmuls of at most this many rows run on the blocks (0: never).
+    block_rows: int
+    # dtype of the packed dense weights (None: the model's dtype).
+    dense_dtype: torch.dtype | None
+
+    def describe(self) -> str:
+        dense = str(self.dense_dtype or "model dtype").removeprefix("torch.")
+        if self.block_rows <= 0:
+            return f"dense {dense} weights (oneDNN)"
+        blocks = "int8 activations on GGUF blocks" if self.int8 else "GGUF blocks expanded to float32"
+        return f"{blocks} for steps of <= {self.block_rows} rows, dense {dense} (oneDNN) above"
+
+
+def plan_cpu_matmuls(requested_dtype: str, dtype: torch.dtype, flags: set[str], env: dict | None = None) -> CpuMatmuls:
+    """The plan for a model computed in `dtype`, asked for as `requested_dtype`
+    (the --dtype flag), on a CPU with `flags`. Whether the blocks exist is
+    found out later; without them only the dense weights run."""
+    env = os.environ if env is None else env
+    override = env.get("SLUICE_GGUF_MAX_ROWS")
+    if requested_dtype == "auto" and dtype == torch.float32:
+        rows = INT8_ROWS_AVX512 if "avx512_vnni" in flags else INT8_ROWS_AVX2
+        dense = torch.bfloat16 if native_bf16(flags) else None
+        return CpuMatmuls(int8=True, block_rows=int(override) if override else rows, dense_dtype=dense)
+    rows = EXACT_ROWS if dtype == torch.float32 else 0
+    return CpuMatmuls(int8=False, block_rows=int(override) if override and rows else rows, dense_dtype=None)
