@@ -159,7 +159,7 @@ class ModelRunner:
         if not blocks:
             plan = CpuMatmuls(int8=False, block_rows=0, dense_dtype=None)
         packed = pack_linear_weights(self.model, plan.dense_dtype)
-        log.info("CPU matmuls: %s; %d layers with blocks, %d packed", plan.describe(), blocks, packed)
+        log.info("CPU matmuls: %s; %d run GGUF blocks, %d packed dense", plan.describe(), blocks, packed)
         return plan
 
     # -- KV cache -----------------------------------------------------------
