@@ -26,18 +26,20 @@
 // A K-chunk of 4 values of one activation row is broadcast to all 16 lanes and
 // multiplied with the 16 outputs' 4 weights: one VPDPBUSD per chunk.
 //
-// Kernels: AMX-INT8 tiles (many rows), AVX-512 VNNI, AVX-VNNI (256-bit), AVX2
-// (widening PMADDWD) and scalar, each compiled with its own target attribute
-// and chosen at run time from the CPU's features, so one build runs on any
-// x86-64 host and the tests run every kernel the host can execute against the
-// same reference.
+// Kernels: AVX-512 VNNI, AVX-VNNI (256-bit), AVX2 (widening PMADDWD) and
+// scalar, each compiled with its own target attribute and chosen at run time
+// from the CPU's features, so one build runs on any x86-64 host and the tests
+// run every kernel the host can execute against the same reference.
 //
-// Batch invariance: an output's value depends only on its own row of x. The
-// per-block integer dot is exact whichever kernel computes it, and every
-// kernel applies the same float operations to it, block by block in the same
-// order:  acc = fma(dot, sw * dx, acc);  acc = fma(cw, sx, acc).  So on one
-// host, AMX (used for many rows) and AVX-512 VNNI (few rows) give bitwise the
-// same result, and a token's logits do not depend on its step's batch.
+// Batch invariance: an output's value depends only on its own row of x (the
+// rows are quantized one by one, and each row's blocks are summed in order),
+// so a token's result does not depend on the other rows of its matmul.
+//
+// (An AMX-INT8 version, one TDPBUSD per block of 32 with the block scales
+// applied after it, measured slower than this kernel at every row count on a
+// Sapphire Rapids host, and slower than oneDNN's bf16 AMX from 16 rows: the
+// per-block scaling, not the tile unit, bounds it. Larger steps therefore use
+// the dense bf16 weights instead; see layers/cpu_matmuls.py.)
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -53,8 +55,6 @@
 
 #if defined(__x86_64__)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #define SLUICE_X86 1
 #endif
 
@@ -64,7 +64,7 @@ constexpr int64_t QK = 32;  // values per block
 constexpr int64_t NG = 16;  // outputs per group
 
 enum Format : int64_t { Q4_1 = 0, Q8_0 = 1 };
-enum Isa : int64_t { ISA_AUTO = 0, ISA_SCALAR = 1, ISA_AVX2 = 2, ISA_AVX_VNNI = 3, ISA_AVX512_VNNI = 4, ISA_AMX = 5 };
+enum Isa : int64_t { ISA_AUTO = 0, ISA_SCALAR = 1, ISA_AVX2 = 2, ISA_AVX_VNNI = 3, ISA_AVX512_VNNI = 4 };
 
 inline int64_t gguf_block_bytes(int64_t f) { return f == Q4_1 ? 20 : 34; }
 inline int64_t weight_bytes(int64_t f) { return f == Q4_1 ? NG * QK / 2 : NG * QK; }
@@ -368,181 +368,9 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_avx2(const Args& a, 
   }
 }
 
-// AMX-INT8: TDPBUSD multiplies unsigned bytes (A) by signed bytes (B), so the
-// roles are: A = activations + 128 (u8; rows = 16 tokens, 32 bytes = one
-// block), B = the weights as signed bytes ws (8 rows of K-quads x 16 outputs
-// x 4 bytes: the packed layout's chunk order), C = int32 [16 tokens x 16
-// outputs], one block per TDPBUSD so the block scales can be applied after it.
-// With ws = wq (Q4_1) or wq - 128 (Q8_0), and off = 0 or 128 respectively:
-//
-//   dot(wq, xq) = sum ws * (xq + 128)  -  128 * sum(ws)  +  off * sum(xq)
-//                 '-- C, from TDPBUSD'    '- per output'    '- per token'
-//
-// all exact in int32, so `dot` equals the VNNI kernels' and the float steps
-// after it are theirs, row by row.
-struct TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-bool amx_permitted() {
-  // Linux hands out the tile registers' state only on request, per process.
-  static const bool ok = [] {
-    if (!(__builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8"))) return false;
-    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  }();
-  return ok;
-}
-
-// Group g's weights as TDPBUSD's B operand, block after block (512 bytes
-// each), and 128 * sum(ws) per block and output.
-template <int64_t F>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void stage_weights(const Args& a, int64_t g,
-                                                                                     int8_t* bw, int32_t* corr) {
-  constexpr int64_t rb = 2 * NG * 2 + (F == Q4_1 ? NG * QK / 2 : NG * QK);
-  const uint8_t* rec = a.packed + g * a.nb * rb;
-  const __m512i ones = _mm512_set1_epi8(1);
-  for (int64_t b = 0; b < a.nb; ++b, rec += rb) {
-    const uint8_t* wp = rec + 64;
-    int8_t* out = bw + b * 512;
-    __m512i sum = _mm512_setzero_si512();
-    if constexpr (F == Q8_0) {
-      const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-      for (int c = 0; c < 8; ++c) {
-        const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(wp + 64 * c), flip);
-        _mm512_storeu_si512(out + 64 * c, v);
-        sum = _mm512_dpbusd_epi32(sum, ones, v);
-      }
-    } else {
-      const __m512i mask = _mm512_set1_epi8(15);
-      for (int c = 0; c < 4; ++c) {
-        const __m512i v = _mm512_loadu_si512(wp + 64 * c);
-        const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
-        _mm512_storeu_si512(out + 64 * c, lo);
-        _mm512_storeu_si512(out + 64 * (c + 4), hi);
-        sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sum, ones, lo), ones, hi);
-      }
-    }
-    _mm512_storeu_si512(corr + 16 * b, _mm512_slli_epi32(sum, 7));
-  }
-}
-
-struct AmxRows {
-  const uint8_t* xu8;   // [M rounded up to 16, K]: xq + 128, padding rows 128
-  const int32_t* isum;  // [M, nb]
-};
-
-// Rows [t0, t1) of y for group g; scratch: bw (nb * 512), corr (nb * 16), c (4 * 256).
-template <int64_t F>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,amx-tile,amx-int8"))) void group_amx(
-    const Args& a, const AmxRows& rows, int64_t g, int64_t t0, int64_t t1, int8_t* bw, int32_t* corr, int32_t* c) {
-  constexpr int64_t rb = 2 * NG * 2 + (F == Q4_1 ? NG * QK / 2 : NG * QK);
-  stage_weights<F>(a, g, bw, corr);
-  const int64_t n0 = g * NG;
-  const __mmask16 keep = a.N - n0 >= NG ? __mmask16(0xFFFF) : __mmask16((1u << (a.N - n0)) - 1);
-  for (int64_t tt = t0; tt < t1; tt += 16) {
-    const int64_t valid = std::min<int64_t>(16, t1 - tt);
-    __m512 acc[16];
-    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-    const uint8_t* base = a.packed + g * a.nb * rb;
-    // Four blocks' products in flight (C tiles 0, 3, 4, 5), so the tile unit
-    // works on the next blocks while their predecessors' results are scaled.
-    for (int64_t b0 = 0; b0 < a.nb; b0 += 4) {
-      const int64_t nblk = std::min<int64_t>(4, a.nb - b0);
-      const uint8_t* xa = rows.xu8 + tt * a.K + b0 * QK;
-      const int8_t* wb = bw + b0 * 512;
-      _tile_zero(0);
-      _tile_loadd(1, xa, a.K);
-      _tile_loadd(2, wb, 64);
-      _tile_dpbusd(0, 1, 2);
-      if (nblk > 1) {
-        _tile_zero(3);
-        _tile_loadd(6, xa + QK, a.K);
-        _tile_loadd(7, wb + 512, 64);
-        _tile_dpbusd(3, 6, 7);
-      }
-      if (nblk > 2) {
-        _tile_zero(4);
-        _tile_loadd(1, xa + 2 * QK, a.K);
-        _tile_loadd(2, wb + 1024, 64);
-        _tile_dpbusd(4, 1, 2);
-      }
-      if (nblk > 3) {
-        _tile_zero(5);
-        _tile_loadd(6, xa + 3 * QK, a.K);
-        _tile_loadd(7, wb + 1536, 64);
-        _tile_dpbusd(5, 6, 7);
-      }
-      _tile_stored(0, c, 64);
-      if (nblk > 1) _tile_stored(3, c + 256, 64);
-      if (nblk > 2) _tile_stored(4, c + 512, 64);
-      if (nblk > 3) _tile_stored(5, c + 768, 64);
-      for (int64_t j = 0; j < nblk; ++j) {
-        const int64_t b = b0 + j;
-        const uint8_t* rec = base + b * rb;
-        const int32_t* cj = c + 256 * j;
-        const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
-        const __m512 cw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32)));
-        const __m512i shift = _mm512_loadu_si512(corr + 16 * b);
-        for (int64_t i = 0; i < valid; ++i) {
-          const int64_t xi = (tt + i) * a.nb + b;
-          __m512i dot = _mm512_sub_epi32(_mm512_loadu_si512(cj + 16 * i), shift);
-          if constexpr (F == Q8_0) dot = _mm512_add_epi32(dot, _mm512_set1_epi32(128 * rows.isum[xi]));
-          acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sw, _mm512_set1_ps(a.dx[xi])), acc[i]);
-          acc[i] = _mm512_fmadd_ps(cw, _mm512_set1_ps(a.sx[xi]), acc[i]);
-        }
-      }
-    }
-    for (int64_t i = 0; i < valid; ++i) _mm512_mask_storeu_ps(a.y + (tt + i) * a.N + n0, keep, acc[i]);
-  }
-}
-
-// Tokens per work item: their activations (K bytes each) stay in L2 while
-// every group of outputs passes over them.
-constexpr int64_t AMX_TOKENS_PER_ITEM = 256;
-
-void linear_amx(const Args& a, const QuantizedRows& q, int64_t M) {
-  const int64_t padded = (M + 15) / 16 * 16;
-  at::Tensor xu8 = at::empty({padded, a.K}, q.xq.options().dtype(at::kByte));
-  {
-    const int8_t* src = q.xq.data_ptr<int8_t>();
-    uint8_t* dst = xu8.data_ptr<uint8_t>();
-    for (int64_t i = 0; i < M * a.K; ++i) dst[i] = static_cast<uint8_t>(src[i]) ^ 0x80;
-    std::fill(dst + M * a.K, dst + padded * a.K, static_cast<uint8_t>(0x80));
-  }
-  const AmxRows rows{xu8.data_ptr<uint8_t>(), q.isum.data_ptr<int32_t>()};
-  const int64_t groups = (a.N + NG - 1) / NG;
-  const int64_t chunks = (M + AMX_TOKENS_PER_ITEM - 1) / AMX_TOKENS_PER_ITEM;
-  at::parallel_for(0, chunks * groups, 1, [&](int64_t i0, int64_t i1) {
-    TileConfig cfg;
-    cfg.rows[0] = 16, cfg.colsb[0] = 64;  // C: 16 tokens x 16 int32
-    cfg.rows[1] = 16, cfg.colsb[1] = 32;  // A: 16 tokens x one block
-    cfg.rows[2] = 8, cfg.colsb[2] = 64;   // B: 8 K-quads x 16 outputs x 4 bytes
-    for (int t : {3, 4, 5}) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // more C
-    cfg.rows[6] = 16, cfg.colsb[6] = 32;  // a second A
-    cfg.rows[7] = 8, cfg.colsb[7] = 64;   // a second B
-    _tile_loadconfig(&cfg);
-    std::vector<int8_t> bw(a.nb * 512);
-    std::vector<int32_t> corr(a.nb * 16), c(4 * 256);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t g = i % groups, t0 = (i / groups) * AMX_TOKENS_PER_ITEM;
-      const int64_t t1 = std::min(M, t0 + AMX_TOKENS_PER_ITEM);
-      if (a.format == Q4_1)
-        group_amx<Q4_1>(a, rows, g, t0, t1, bw.data(), corr.data(), c.data());
-      else
-        group_amx<Q8_0>(a, rows, g, t0, t1, bw.data(), corr.data(), c.data());
-    }
-    _tile_release();
-  });
-}
 #endif
 
-// Rows per register tile of each kernel; with AMX, the fewest rows that use it.
-constexpr int64_t AMX_MIN_ROWS = 8;
+// Rows per register tile of each kernel.
 constexpr int64_t TILE_AVX512 = 4;
 constexpr int64_t TILE_AVX2 = 2;
 
@@ -575,8 +403,6 @@ void run_group(Isa isa, const Args& a, int64_t g, int64_t M) {
 bool host_has(Isa isa) {
 #ifdef SLUICE_X86
   switch (isa) {
-    case ISA_AMX:
-      return host_has(ISA_AVX512_VNNI) && __builtin_cpu_supports("f16c") && amx_permitted();
     case ISA_AVX512_VNNI:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
@@ -616,20 +442,13 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t form
                   packed.numel() == groups * nb * record_bytes(format),
               "packed weight does not match [", N, ", ", K, "] in this format (see q8_pack)");
   const Isa isa = isa_code == ISA_AUTO ? best_isa() : static_cast<Isa>(isa_code);
-  TORCH_CHECK(isa >= ISA_SCALAR && isa <= ISA_AMX, "unknown isa code ", isa_code);
+  TORCH_CHECK(isa >= ISA_SCALAR && isa <= ISA_AVX512_VNNI, "unknown isa code ", isa_code);
   TORCH_CHECK(host_has(isa), "this CPU cannot run isa code ", isa_code);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  const QuantizedRows q = quantize_rows(x, isa == ISA_AVX512_VNNI || isa == ISA_AMX);
+  const QuantizedRows q = quantize_rows(x, isa == ISA_AVX512_VNNI);
   const Args a{packed.data_ptr<uint8_t>(), q.xq.data_ptr<int8_t>(), q.dx.data_ptr<float>(), q.sx.data_ptr<float>(),
                y.data_ptr<float>(), K, nb, N, format};
-#ifdef SLUICE_X86
-  // Auto: tiles pay off from a few rows on (measured, benchmarks/step_bench.py).
-  if (isa == ISA_AMX || (isa_code == ISA_AUTO && M >= AMX_MIN_ROWS && host_has(ISA_AMX))) {
-    linear_amx(a, q, M);
-    return y;
-  }
-#endif
   // Work items are (group, row tile): few rows split over outputs only; many
   // rows also over row tiles so each item's weights are read once per tile.
   const int64_t rows_per_item = 64;
@@ -667,7 +486,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> q8_quantize(const at::Tensor& x) 
 // Which kernels this host runs: isa codes, best first.
 std::vector<int64_t> q8_isas() {
   std::vector<int64_t> out;
-  for (Isa isa : {ISA_AMX, ISA_AVX512_VNNI, ISA_AVX_VNNI, ISA_AVX2, ISA_SCALAR})
+  for (Isa isa : {ISA_AVX512_VNNI, ISA_AVX_VNNI, ISA_AVX2, ISA_SCALAR})
     if (host_has(isa)) out.push_back(isa);
   return out;
 }
