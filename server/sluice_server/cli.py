@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -119,6 +120,12 @@ async def serve(args: argparse.Namespace) -> int:
         attention_backend=args.attention_backend,
     )
     log.info("loaded %s (%s, %s) in %.1fs", args.model_dir, runner.model_type, runner.dtype, time.perf_counter() - started)
+    # Everything allocated so far (the model's modules, parameters, imported
+    # code) lives as long as the process: keep it out of the cyclic garbage
+    # collector's passes, which otherwise walk it all on every full
+    # collection (measured: 9% of a one-sequence decode step on CPU).
+    gc.collect()
+    gc.freeze()
 
     urls = [f"unix://{socket_path(args.uds_path, r)}" for r in range(dist.world_size)]
     path = socket_path(args.uds_path, dist.rank)

@@ -63,6 +63,7 @@ class PackableLinear(nn.Module):
     """
 
     packed: torch.Tensor | None = None
+    dense_shape: tuple[int, int] | None = None
     # GGUF blocks of the same weight, for few-row matmuls (layers.gguf_weights).
     quantized = None
 
@@ -70,6 +71,7 @@ class PackableLinear(nn.Module):
         if self.packed is not None or not can_pack_for_cpu(self.weight):
             return False
         self.packed = pack_for_cpu(self.weight, dtype)
+        self.dense_shape = tuple(self.weight.shape)  # [out, in] of the packed weight
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)
         return True
 
