@@ -1,20 +1,28 @@
-"""Decode step time and tokens/s of the shard, in-process (no gRPC).
+"""Decode step time and tokens/s of the shard, in-process (no gRPC), for
+each CPU arithmetic path, beside the host's limits measured in the same run.
 
-For each batch size B: B requests with a `--prompt-len` prompt are prefilled
-(in chunks of at most `--max-prefill` tokens), then `--steps` decode steps run
-through `Shard.step` (batch building, forward, greedy sampling) and are timed.
+For each path (--dtype auto, float32, bfloat16; layers/cpu_matmuls.py says
+what each runs) and batch size B: B requests with a `--prompt-len` prompt
+are prefilled, then `--steps` decode steps run through `Shard.step` (batch
+building, forward, greedy sampling) and are timed. Each row gives:
 
-Each row also gives the step's matrix-multiply rate (the model's linear-layer
-FLOPs per token x B / step time) as a share of the machine's dense matmul rate
-in the same dtype, measured in the same run (2048^3 products, before and after).
+    matmul GFLOP/s   the model's linear-layer FLOPs per token x B / step time,
+                     and its share of the dense matmul rate of the path's
+                     dtype (2048^3 products, same threads)
+    weights GB/s     the bytes of weights the step reads (GGUF blocks or
+                     dense, whichever its matmuls use at B rows) / step time,
+                     and its share of the memory bandwidth (a large copy)
+
+A step can be no faster than max(FLOPs / dense rate, bytes / bandwidth).
 
     python benchmarks/step_bench.py                     # bundled SmolLM2, CPU
-    python benchmarks/step_bench.py --model DIR --batch-sizes 1,16 --threads 2
+    python benchmarks/step_bench.py --paths auto --batch-sizes 1,16 --threads 2
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -56,6 +64,35 @@ def dense_matmul_rate(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> fl
         a @ b
         best = min(best, time.perf_counter() - t)
     return 2 * n**3 / best / 1e9
+
+
+def memory_bandwidth(mib: int = 512, repeats: int = 5) -> float:
+    """GB/s of a large copy (bytes read + bytes written), best of `repeats`."""
+    src = torch.ones(mib * 2**18)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.nbytes / best / 1e9
+
+
+def weight_bytes(runner: ModelRunner, rows: int) -> int:
+    """Bytes of linear weights a step of `rows` rows reads: each layer's GGUF
+    blocks where they serve that many rows, else its dense weight."""
+    total = 0
+    for module in runner.model.modules():
+        quantized = getattr(module, "quantized", None)
+        if quantized is not None and rows <= quantized.max_rows:
+            total += quantized.data.nbytes
+        elif getattr(module, "packed", None) is not None:
+            out_features, in_features = module.weight.shape if module.weight.numel() else module.dense_shape
+            total += out_features * in_features * module.packed.element_size()
+        elif hasattr(module, "pack_for_cpu_"):
+            total += module.weight.nbytes
+    return total
 
 
 def run(shard: Shard, batch: int, prompt_len: int, steps: int, max_prefill: int) -> dict[str, float]:
@@ -106,35 +143,47 @@ def run(shard: Shard, batch: int, prompt_len: int, steps: int, max_prefill: int)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model id/folder/.gguf (default: bundled SmolLM2)")
-    parser.add_argument("--batch-sizes", default="1,8,32,64")
+    parser.add_argument("--paths", default="auto,float32,bfloat16", help="--dtype values to measure")
+    parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--max-prefill", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
     folder = resolve(args.model)
-    runner = ModelRunner(folder, dtype=args.dtype, device="cpu")
-    shard = Shard(runner, urls=[])
-    print(f"model {folder.name}  dtype {runner.dtype}  threads {torch.get_num_threads()}  "
-          f"prompt {args.prompt_len} tokens  {args.steps} timed decode steps")
-    header = f"{'batch':>5} {'step ms':>9} {'tokens/s':>9} {'prepare ms':>10} {'forward ms':>10} {'sampling ms':>11}"
-    header += f" {'GFLOP/s':>8} {'of dense':>8}"
-    per_token = flops_per_token(runner.model.config)
-    dense = dense_matmul_rate(runner.dtype)
+    bandwidth = memory_bandwidth()
+    dense = {dtype: dense_matmul_rate(dtype) for dtype in (torch.float32, torch.bfloat16)}
+    print(f"model {folder.name}, {torch.get_num_threads()} threads, prompt {args.prompt_len} tokens, "
+          f"{args.steps} timed decode steps")
+    print(f"host limits: memory bandwidth {bandwidth:.1f} GB/s (copy); dense matmul "
+          f"float32 {dense[torch.float32]:.0f} GFLOP/s, bfloat16 {dense[torch.bfloat16]:.0f} GFLOP/s")
+    header = (f"{'path':<9} {'batch':>5} {'step ms':>8} {'tok/s':>7} {'prep ms':>7} {'fwd ms':>7} {'samp ms':>7}"
+              f" {'GFLOP/s':>8} {'of dense':>8} {'GB/s':>6} {'of bw':>6}")
     print(header)
     print("-" * len(header))
-    for b in (int(x) for x in args.batch_sizes.split(",")):
-        r = run(shard, b, args.prompt_len, args.steps, args.max_prefill)
-        rate = per_token * b / (r["step_ms"] / 1e3) / 1e9
-        print(f"{b:>5} {r['step_ms']:>9.1f} {r['tokens_per_s']:>9.1f} {r['prepare_ms']:>10.2f} "
-              f"{r['forward_ms']:>10.1f} {r['sampling_ms']:>11.2f} {rate:>8.1f} {rate / dense:>7.0%}", flush=True)
-    dense_after = dense_matmul_rate(runner.dtype)
-    print(f"dense {runner.dtype} matmul (2048^3, torch, {torch.get_num_threads()} threads): "
-          f"{dense:.1f} GFLOP/s before the steps, {dense_after:.1f} after; "
-          f"a decode step does {per_token * 1e-6:.0f} MFLOP of matmul per token")
+    for path in args.paths.split(","):
+        runner = ModelRunner(folder, dtype=path, device="cpu")
+        shard = Shard(runner, urls=[])
+        gc.collect()
+        gc.freeze()  # as the server does after loading
+        per_token = flops_per_token(runner.model.config)
+        big = runner.cpu_matmuls.dense_dtype if runner.cpu_matmuls and runner.cpu_matmuls.dense_dtype else runner.dtype
+        for b in (int(x) for x in args.batch_sizes.split(",")):
+            r = run(shard, b, args.prompt_len, args.steps, args.max_prefill)
+            rate = per_token * b / (r["step_ms"] / 1e3) / 1e9
+            rows_dtype = runner.dtype if (runner.cpu_matmuls and b <= runner.cpu_matmuls.block_rows) else big
+            reference = dense[torch.bfloat16 if rows_dtype == torch.bfloat16 else torch.float32]
+            gbs = weight_bytes(runner, b) / (r["step_ms"] / 1e3) / 1e9
+            print(f"{path:<9} {b:>5} {r['step_ms']:>8.1f} {r['tokens_per_s']:>7.1f} {r['prepare_ms']:>7.2f} "
+                  f"{r['forward_ms']:>7.1f} {r['sampling_ms']:>7.2f} {rate:>8.1f} {rate / reference:>7.0%} "
+                  f"{gbs:>6.1f} {gbs / bandwidth:>5.0%}", flush=True)
+        del shard, runner
+        gc.unfreeze()
+        gc.collect()
+    print(f"a decode step does {per_token * 1e-6:.0f} MFLOP of matmul per token; 'of dense' compares with the "
+          "rate of the dtype the step's matmuls ran in (int8 steps against float32)")
 
 
 if __name__ == "__main__":
