@@ -1,7 +1,7 @@
 """End-to-end fixtures: the launcher started as a user starts it.
 
 `launcher` (session scope) runs `sluice-launcher` with the bundled
-SmolLM2-135M-Instruct on CPU, once for the whole test session. Tests that
+SmolLM2-135M-Instruct on CPU in float32, once for the whole test session. Tests that
 need to kill or stop a server start their own with `start_launcher` and a
 tiny random-weight model, so they stay fast.
 """
@@ -192,6 +192,10 @@ def _wait_ready(launcher: Launcher) -> str | None:
 def launcher(tmp_path_factory) -> Launcher:
     tmp = tmp_path_factory.mktemp("launcher")
     server = start_launcher(
+        # The exact path: the golden and prefix-caching tests compare tokens
+        # with transformers in float32 and across cache hits. The default
+        # fast path (--dtype auto) has its own tests (test_cpu_fast_path.py).
+        "--dtype", "float32",
         "--max-concurrent-requests", "64",
         "--max-total-tokens", "2048",
         "--max-input-tokens", "1536",

@@ -1,5 +1,7 @@
 """Greedy generation through HTTP equals transformers' on the same folder,
-served by the default CPU path (C++ kernels, GGUF blocks), not a fallback."""
+served by the exact CPU path (`--dtype float32`: C++ kernels, GGUF blocks
+expanded exactly), not a fallback. The default fast path is checked in
+test_cpu_fast_path.py."""
 
 import json
 import re
@@ -52,7 +54,7 @@ def test_greedy_matches_transformers(launcher, reference, model_dir, prompt):
 
 
 def test_served_by_the_cpu_kernels_and_gguf_blocks(launcher, model_dir):
-    """The path that served the tokens above is the default CPU one: the C++
+    """The path that served the tokens above is the exact CPU one: the C++
     kernels loaded and every linear layer (4 per block, plus the output
     head) runs decodes on the GGUF's blocks. A shard that fell back to plain
     torch would serve the same tokens; its startup lines tell them apart."""
