@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The CPU comparison of benchmarks/README.md: Sluice, llama.cpp's llama-server
+# and vLLM's CPU build on the bundled SmolLM2-135M, one server at a time on the
+# same host, each sent the same requests (same sluice-bench seed):
+#
+#   random 256 in / 128 out (ignore_eos) at concurrency 1 and 8 (32 requests)
+#   and 32 (64 requests); shared-prefix 1,024 + 32 -> 64 at concurrency 8.
+#
+#   LLAMA_SERVER=path/to/llama-server VLLM_PYTHON=path/to/vllm-venv/bin/python \
+#       bash benchmarks/cpu_compare.sh [OUT_DIR]
+#
+# A peer whose variable is unset is left out. SLUICE_ARGS adds flags to
+# sluice-launcher (e.g. "--dtype bfloat16"); LABEL names that run.
+# Run it on a quiet machine: nothing else should be using the cores.
+set -euo pipefail
+
+out=${1:-benchmarks/results/cpu-compare-$(date +%Y%m%d-%H%M)}
+mkdir -p "$out"
+threads=${THREADS:-$(nproc)}
+gguf=$(python -c 'from sluice_server.download import bundled_model_path; print(bundled_model_path())')
+folder=$(python -c 'from sluice_server.download import bundled_model_path, resolve_model; print(resolve_model(str(bundled_model_path())))')
+label=${LABEL:-sluice}
+
+wait_ready() {  # url pid
+    for _ in $(seq 1 600); do
+        if curl -sf "$1" >/dev/null; then return 0; fi
+        kill -0 "$2" 2>/dev/null || { echo "server exited" >&2; return 1; }
+        sleep 1
+    done
+    echo "server not ready after 600 s" >&2
+    return 1
+}
+
+bench() {  # name port
+    local name=$1 url=http://127.0.0.1:$2
+    sluice-bench --base-url "$url" --tokenizer "$folder" --workload random --input-len 256 --output-len 128 \
+        --num-prompts 32 --concurrency 1,8 --warmup 2 --seed 7 --no-progress --out "$out/$name-random-1-8.json"
+    sluice-bench --base-url "$url" --tokenizer "$folder" --workload random --input-len 256 --output-len 128 \
+        --num-prompts 64 --concurrency 32 --warmup 2 --seed 7 --no-progress --out "$out/$name-random-32.json"
+    sluice-bench --base-url "$url" --tokenizer "$folder" --workload shared-prefix --num-groups 1 \
+        --prompts-per-group 32 --system-prompt-len 1024 --question-len 32 --output-len 64 \
+        --concurrency 8 --warmup 2 --seed 7 --no-progress --out "$out/$name-shared-prefix.json"
+}
+
+run() {  # name port command...
+    local name=$1 port=$2
+    shift 2
+    "$@" >"$out/$name.log" 2>&1 &
+    local pid=$!
+    if wait_ready "http://127.0.0.1:$port/v1/models" "$pid"; then
+        bench "$name" "$port" || true
+    fi
+    kill -TERM -- "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+}
+
+run "$label" 8090 setsid sluice-launcher --port 8090 --hostname 127.0.0.1 ${SLUICE_ARGS:-}
+
+if [[ -n ${LLAMA_SERVER:-} ]]; then
+    LD_LIBRARY_PATH=$(dirname "$LLAMA_SERVER") run llama.cpp 8091 "$LLAMA_SERVER" -m "$gguf" \
+        --host 127.0.0.1 --port 8091 --parallel 32 --ctx-size 49152 -t "$threads"
+fi
+
+if [[ -n ${VLLM_PYTHON:-} ]]; then
+    VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4} run vllm 8092 "$VLLM_PYTHON" -m vllm.entrypoints.openai.api_server \
+        --model "$folder" --served-model-name smollm2 --dtype bfloat16 --port 8092 --host 127.0.0.1 --max-model-len 2048
+fi
+
+echo "results in $out"
