@@ -42,6 +42,8 @@ def gemma3_gguf() -> Path:
 def server(tmp_path_factory, gemma3_gguf):
     launcher = start_launcher(
         "--model-id", str(gemma3_gguf),
+        # The exact path: its tokens are compared with transformers in float32.
+        "--dtype", "float32",
         "--max-total-tokens", "1024",
         "--max-input-tokens", "960",
         "--max-batch-prefill-tokens", "512",

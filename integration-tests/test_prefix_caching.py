@@ -91,6 +91,7 @@ def test_greedy_outputs_match_with_prefix_caching_on_and_off(launcher, tmp_path)
         (base[:150] + other[:30], 180),
     ]
     off = start_launcher(
+        "--dtype", "float32",  # as the shared launcher: texts compared one for one
         "--max-total-tokens", "2048", "--max-input-tokens", "1536",
         "--kv-cache-bytes", str(256 * 1024 * 1024), "--no-prefix-caching",
         tmp=tmp_path,

@@ -57,6 +57,8 @@ def test_two_shards_serve_the_greedy_prompts_like_one(tiny_model_dir, tmp_path):
 def test_three_shards_serve_bundled_model_like_one(launcher, tmp_path):
     """The shared 1-shard launcher against the same model on 3 shards."""
     server = start_launcher(
+        # The exact path, as the shared launcher runs it: tokens compared one for one.
+        "--dtype", "float32",
         "--num-shard", "3", "--max-total-tokens", "2048", "--max-input-tokens", "1536",
         "--kv-cache-bytes", str(64 * 1024 * 1024), tmp=tmp_path,
     )
