@@ -62,7 +62,10 @@ if [[ -n ${LLAMA_SERVER:-} ]]; then
 fi
 
 if [[ -n ${VLLM_PYTHON:-} ]]; then
-    VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4} run vllm 8092 "$VLLM_PYTHON" -m vllm.entrypoints.openai.api_server \
+    # vLLM keeps one core for its front end by default; give its model every
+    # core, as the others get.
+    VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4} VLLM_CPU_OMP_THREADS_BIND=0-$((threads - 1)) \
+        VLLM_CPU_NUM_OF_RESERVED_CPU=0 run vllm 8092 "$VLLM_PYTHON" -m vllm.entrypoints.openai.api_server \
         --model "$folder" --served-model-name smollm2 --dtype bfloat16 --port 8092 --host 127.0.0.1 --max-model-len 2048
 fi
 
