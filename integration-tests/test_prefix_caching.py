@@ -13,6 +13,7 @@ Every test drives a real launcher (router + Python shard) over HTTP:
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import re
 import time
