@@ -1,10 +1,11 @@
-"""Shared builders for the kernel tests: a device, tolerances, and a mixed
-paged batch with its dense ground truth."""
+"""Shared builders for the kernel tests: a device, tolerances, a mixed
+paged batch with its dense ground truth, and random GGUF blocks."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from sluice_server.kernels import triton_interpreting
@@ -134,3 +135,19 @@ def dense_attention(batch: PagedBatch, window: int | None = None) -> torch.Tenso
         outs.append((scores.softmax(-1) @ v).transpose(0, 1))
         start += q_len
     return torch.cat(outs)
+
+
+def random_blocks(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
+    """[n, k/32 * block_bytes] uint8 rows of random valid blocks: fp16 scale
+    (and min, Q4_1) then the quants, GGUF's layout."""
+    rng = np.random.default_rng(seed)
+    nb = k // 32
+    scale = rng.uniform(-0.05, 0.05, (n, nb, 1)).astype(np.float16).view(np.uint8)
+    if fmt == "Q4_1":
+        low = rng.uniform(-0.3, 0.0, (n, nb, 1)).astype(np.float16).view(np.uint8)
+        quants = rng.integers(0, 256, (n, nb, 16), dtype=np.uint8)
+        blocks = np.concatenate([scale, low, quants], axis=-1)
+    else:
+        quants = rng.integers(-128, 128, (n, nb, 32), dtype=np.int8).view(np.uint8)
+        blocks = np.concatenate([scale, quants], axis=-1)
+    return np.ascontiguousarray(blocks.reshape(n, -1))

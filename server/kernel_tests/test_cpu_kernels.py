@@ -20,6 +20,8 @@ from sluice_server.layers.torch_attention import TorchAttention
 from sluice_server.layers.ops import CpuOps, TorchOps, rotary_tables
 from sluice_server.layers.rotary import inverse_frequencies
 
+from .kernel_cases import random_blocks
+
 # Skipped only where the kernels cannot be built at all (no compiler, no
 # ninja); where a compiler exists a build error raises here, at collection,
 # and fails the run.
@@ -155,21 +157,6 @@ def test_other_dtypes_take_the_torch_path():
 
 
 # --- matmuls on GGUF blocks -------------------------------------------------
-
-def random_blocks(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
-    """[n, k/32 * block_bytes] uint8 rows of random valid blocks: fp16 scale
-    (and min, Q4_1) then the quants, GGUF's layout."""
-    rng = np.random.default_rng(seed)
-    nb = k // 32
-    scale = rng.uniform(-0.05, 0.05, (n, nb, 1)).astype(np.float16).view(np.uint8)
-    if fmt == "Q4_1":
-        low = rng.uniform(-0.3, 0.0, (n, nb, 1)).astype(np.float16).view(np.uint8)
-        quants = rng.integers(0, 256, (n, nb, 16), dtype=np.uint8)
-        blocks = np.concatenate([scale, low, quants], axis=-1)
-    else:
-        quants = rng.integers(-128, 128, (n, nb, 32), dtype=np.int8).view(np.uint8)
-        blocks = np.concatenate([scale, quants], axis=-1)
-    return np.ascontiguousarray(blocks.reshape(n, -1))
 
 
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])

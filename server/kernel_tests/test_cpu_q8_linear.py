@@ -22,6 +22,8 @@ import torch
 
 from sluice_server.layers import cpu_kernels
 
+from .kernel_cases import random_blocks
+
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="the CPU kernels did not build")
 
 FORMATS = {"Q4_1": 0, "Q8_0": 1}
@@ -39,20 +41,6 @@ def isa_param(code: int):
         marks.append(pytest.mark.skip(reason=f"this CPU lacks the instructions of the {ISA_NAMES[code]} kernel"))
     return pytest.param(code, id=ISA_NAMES[code], marks=marks)
 
-
-def random_blocks(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
-    """[n, k/32 * block_bytes] uint8: random valid GGUF blocks."""
-    rng = np.random.default_rng(seed)
-    nb = k // 32
-    scale = rng.uniform(-0.05, 0.05, (n, nb, 1)).astype(np.float16).view(np.uint8)
-    if fmt == "Q4_1":
-        low = rng.uniform(-0.3, 0.0, (n, nb, 1)).astype(np.float16).view(np.uint8)
-        quants = rng.integers(0, 256, (n, nb, 16), dtype=np.uint8)
-        blocks = np.concatenate([scale, low, quants], axis=-1)
-    else:
-        quants = rng.integers(-128, 128, (n, nb, 32), dtype=np.int8).view(np.uint8)
-        blocks = np.concatenate([scale, quants], axis=-1)
-    return np.ascontiguousarray(blocks.reshape(n, -1))
 
 
 def expand_blocks(blocks: np.ndarray, fmt: str, n: int, k: int):
