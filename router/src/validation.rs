@@ -345,7 +345,6 @@ impl Validation {
 
     /// Checks lengths and every parameter; `input_field` names the prompt
     /// field in messages ("prompt", "messages", "inputs").
-    #[tracing::instrument(level = "debug", name = "validate", skip_all)]
     pub fn validate(
         &self,
         input_ids: Vec<u32>,
@@ -356,6 +355,7 @@ impl Validation {
         self.validate_lengths_and_ranges(input_ids, input_field, params)
     }
 
+    #[tracing::instrument(level = "debug", name = "validate", skip_all)]
     fn validate_lengths_and_ranges(
         &self,
         mut input_ids: Vec<u32>,
