@@ -231,6 +231,18 @@ def tiny_model_dir(tmp_path_factory, model_dir) -> Path:
     return out
 
 
+async def sse_chunks(resp: httpx.Response):
+    """The JSON chunks of an OpenAI event stream (its `data:` lines before
+    `[DONE]`) after checking the answer is a 200; no chunk may be an error."""
+    assert resp.status_code == 200, await resp.aread()
+    async for line in resp.aiter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[len("data: "):])
+        assert "error" not in chunk, chunk
+        yield chunk
+
+
 async def stream_completion(client: httpx.AsyncClient, model: str, prompt, max_tokens: int,
                             stamps: list[float] | None = None, first_token: asyncio.Event | None = None,
                             ignore_eos: bool = False) -> str:
@@ -241,12 +253,7 @@ async def stream_completion(client: httpx.AsyncClient, model: str, prompt, max_t
             "ignore_eos": ignore_eos}
     text = ""
     async with client.stream("POST", "/v1/completions", json=body) as resp:
-        assert resp.status_code == 200, await resp.aread()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: "):])
-            assert "error" not in chunk, chunk
+        async for chunk in sse_chunks(resp):
             for choice in chunk["choices"]:
                 if choice["text"]:
                     text += choice["text"]

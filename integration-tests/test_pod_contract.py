@@ -181,7 +181,7 @@ def test_pod_contract(tiny_model_dir, tmp_path):
     startup, liveness, readiness = (HttpProbe.of(container[k], ports)
                                     for k in ("startupProbe", "livenessProbe", "readinessProbe"))
     # Only on this machine's loopback (the args override the image's 0.0.0.0).
-    assert f"--hostname=127.0.0.1" in container["args"] and f"--port={port}" in container["args"]
+    assert "--hostname=127.0.0.1" in container["args"] and f"--port={port}" in container["args"]
     env = {**os.environ, **image_env(), **resolved_env(objects, container)}
     assert env["API_KEY"] == API_KEY and "--api-key" not in " ".join(container["args"])
 

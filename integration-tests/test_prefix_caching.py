@@ -13,14 +13,13 @@ Every test drives a real launcher (router + Python shard) over HTTP:
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import re
 import time
 
 import httpx
 
-from conftest import start_launcher, stream_completion
+from conftest import sse_chunks, start_launcher, stream_completion
 
 BLOCK = 16  # the launcher's default --block-size
 
@@ -270,12 +269,7 @@ def test_sampling_through_preemption_matches_alone(tmp_path):
     async def one(client: httpx.AsyncClient, i: int) -> tuple[str, str, int]:
         text, finish, generated = "", None, None
         async with client.stream("POST", "/v1/completions", json=dict(body(i), model=model)) as resp:
-            assert resp.status_code == 200, await resp.aread()
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[len("data: "):])
-                assert "error" not in chunk, chunk
+            async for chunk in sse_chunks(resp):
                 for choice in chunk["choices"]:
                     text += choice["text"]
                     finish = choice.get("finish_reason") or finish

@@ -13,7 +13,6 @@ import os
 import signal
 
 import httpx
-import pytest
 
 from conftest import start_launcher, wait_gone
 from test_greedy_golden import NEW_TOKENS, PROMPTS
