@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sluice_server.layers import cpu_kernels
-from sluice_server.layers.gguf_weights import FORMATS, QuantizedWeight
+from sluice_server.layers.gguf_weights import EXACT_FORMATS as FORMATS, QuantizedWeight
 from sluice_server.layers.attention import AttentionMetadata, LayerAttention
 from sluice_server.layers.torch_attention import TorchAttention
 from sluice_server.layers.ops import CpuOps, TorchOps, rotary_tables

@@ -1,12 +1,13 @@
 """The int8-activation matmul on GGUF blocks (`csrc/cpu_q8_linear.cpp`)
 against a plain-torch reference of the same arithmetic, for every kernel this
-host can run (AVX-512 VNNI, AVX-VNNI, AVX2, scalar): the kernels differ from
-the reference only in float summation order, and a row's result does not
-depend on the other rows of its matmul.
+host can run (AVX-512 VNNI, AVX-VNNI, AVX2, scalar) and every block type and
+record layout: the kernels differ from the reference only in float summation
+order, and a row's result does not depend on the other rows of its matmul.
 
-The reference (`reference_q8_linear`) spells the arithmetic out: each row of x
-is quantized per block of 32 (dx = max|x| / 127, xq = round(x / dx)), each
-weight block is expanded to (sw, cw, wq), and
+The blocks' unpacking into (sw, cw, wq) (layers/gguf_blocks.py) is checked
+against the gguf package's dequantizer first. The reference
+(`reference_q8_linear`) spells the arithmetic out: each row of x is quantized
+per block of 32 (dx = max|x| / 127, xq = round(x / dx)), and
 
     y[r, n] = sum_b  sw * dx * dot(wq, xq)  +  cw * dx * sum(xq)
 
@@ -20,13 +21,15 @@ import numpy as np
 import pytest
 import torch
 
-from sluice_server.layers import cpu_kernels
+from sluice_server.layers import cpu_kernels, gguf_blocks
 
 from .kernel_cases import random_blocks
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="the CPU kernels did not build")
 
-FORMATS = {"Q4_1": 0, "Q8_0": 1}
+# Every type the kernel reads, and the record layout each gets alone
+# (0: 4-bit weights, fp16 scales; 1: 8-bit, fp16; 2: 4-bit, fp32; 3: 8-bit, fp32).
+LAYOUTS = {"Q4_0": 0, "Q4_1": 0, "Q5_0": 1, "Q5_1": 1, "Q8_0": 1, "Q4_K": 2, "Q5_K": 3}
 ISA_NAMES = {1: "scalar", 2: "avx2", 3: "avx-vnni", 4: "avx512-vnni"}
 ALL_ISAS = [1, 2, 3, 4]
 
@@ -42,20 +45,8 @@ def isa_param(code: int):
     return pytest.param(code, id=ISA_NAMES[code], marks=marks)
 
 
-
-def expand_blocks(blocks: np.ndarray, fmt: str, n: int, k: int):
-    """GGUF blocks -> (sw [n, nb], cw [n, nb], wq [n, k]) float64/int64."""
-    nb = k // 32
-    raw = blocks.reshape(n, nb, -1)
-    sw = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
-    if fmt == "Q4_1":
-        cw = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
-        qs = raw[..., 4:20].astype(np.int64)
-        wq = np.concatenate([qs & 15, qs >> 4], axis=-1)
-    else:
-        wq = raw[..., 2:34].view(np.int8).astype(np.int64) + 128
-        cw = -128.0 * sw
-    return sw, cw, wq.reshape(n, k)
+def records(fmt: str, n: int, k: int, seed: int) -> gguf_blocks.Records:
+    return gguf_blocks.unpack(fmt, random_blocks(fmt, n, k, seed), k)
 
 
 def reference_quantize(x: torch.Tensor):
@@ -69,10 +60,11 @@ def reference_quantize(x: torch.Tensor):
     return xq.view(m, k), dx
 
 
-def reference_q8_linear(x: torch.Tensor, blocks: np.ndarray, fmt: str, n: int) -> torch.Tensor:
+def reference_q8_linear(x: torch.Tensor, w: gguf_blocks.Records) -> torch.Tensor:
     m, k = x.shape
-    nb = k // 32
-    sw, cw, wq = (torch.from_numpy(a) for a in expand_blocks(blocks, fmt, n, k))
+    n, nb = w.sw.shape
+    sw, cw = torch.from_numpy(w.sw).double(), torch.from_numpy(w.cw).double()
+    wq = torch.from_numpy(w.wq.astype(np.int64))
     xq, dx = reference_quantize(x)
     dots = torch.einsum("mbj,nbj->mnb", xq.view(m, nb, 32).double(), wq.view(n, nb, 32).double())
     sx = dx * xq.view(m, nb, 32).sum(-1).double()
@@ -80,9 +72,8 @@ def reference_q8_linear(x: torch.Tensor, blocks: np.ndarray, fmt: str, n: int) -
     return y.float()
 
 
-def q8_linear(x, blocks: np.ndarray, fmt: str, n: int, k: int, isa: int = 0) -> torch.Tensor:
-    packed = torch.ops.sluice_cpu.q8_pack(torch.from_numpy(blocks).reshape(-1), FORMATS[fmt], n, k)
-    return torch.ops.sluice_cpu.q8_linear(x, packed, FORMATS[fmt], n, isa)
+def q8_linear(x, w: gguf_blocks.Records, layout: int, isa: int = 0) -> torch.Tensor:
+    return torch.ops.sluice_cpu.q8_linear(x, gguf_blocks.pack(w, layout), layout, w.wq.shape[0], isa)
 
 
 def randn(*shape, seed=0):
@@ -100,52 +91,81 @@ def test_quantize_matches_the_reference():
     assert xq.abs().max() <= 127
 
 
+@pytest.mark.parametrize("fmt", sorted(LAYOUTS))
+def test_unpacked_blocks_are_the_gguf_packages_weights(fmt):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    n, k = 9, 512
+    blocks = random_blocks(fmt, n, k, seed=4)
+    w = gguf_blocks.unpack(fmt, blocks, k)
+    assert np.array_equal(w.expand(), dequantize(blocks, GGMLQuantizationType[fmt]).reshape(n, k))
+    assert w.wq.max() < (16 if fmt in gguf_blocks.FOUR_BIT else 256)
+    assert gguf_blocks.layout({fmt}, w) == LAYOUTS[fmt]
+
+
 @pytest.mark.parametrize("isa", [isa_param(c) for c in ALL_ISAS])
-@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("fmt", sorted(LAYOUTS))
 # Rows: single decodes, register-tile remainders, and more than one row item (64).
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 17, 70])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 17, 70])
 def test_kernels_match_the_reference(isa, fmt, rows):
-    n, k = 45, 576  # 45: a partial group of 16 outputs
-    blocks = random_blocks(fmt, n, k, seed=rows)
+    n, k = 45, 512  # 45: a partial group of 16 outputs
+    w = records(fmt, n, k, seed=rows)
     x = randn(rows, k + 64, seed=2)[:, :k]  # strided rows
-    got = q8_linear(x, blocks, fmt, n, k, isa)
-    want = reference_q8_linear(x.contiguous(), blocks, fmt, n)
+    got = q8_linear(x, w, LAYOUTS[fmt], isa)
+    want = reference_q8_linear(x.contiguous(), w)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("isa", [isa_param(c) for c in ALL_ISAS])
+def test_a_layer_of_mixed_types(isa):
+    """Q4_K_M files mix types within a layer (q/k and v of one attention):
+    the records of all of them in the widest layout (8-bit, fp32 scales)."""
+    parts = [records("Q4_K", 16, 512, seed=1), records("Q8_0", 8, 512, seed=2), records("Q5_0", 21, 512, seed=3)]
+    w = gguf_blocks.Records(*(np.concatenate(a) for a in zip(*((p.sw, p.cw, p.wq) for p in parts))))
+    layout = gguf_blocks.layout({"Q4_K", "Q8_0", "Q5_0"}, w)
+    assert layout == 3
+    x = randn(3, 512, seed=8)
+    torch.testing.assert_close(q8_linear(x, w, layout, isa), reference_q8_linear(x, w), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q4_K"])
 def test_a_row_does_not_depend_on_the_other_rows(fmt):
     n, k = 77, 1536
-    blocks = random_blocks(fmt, n, k, seed=11)
+    w = records(fmt, n, k, seed=11)
     x = randn(300, k, seed=12) * torch.linspace(0.1, 3, k)  # > 64 rows: several work items
-    all_rows = q8_linear(x, blocks, fmt, n, k)
+    all_rows = q8_linear(x, w, LAYOUTS[fmt])
     for rows in (slice(5, 6), slice(100, 117), slice(250, 300)):
-        assert torch.equal(all_rows[rows], q8_linear(x[rows], blocks, fmt, n, k))
+        assert torch.equal(all_rows[rows], q8_linear(x[rows], w, LAYOUTS[fmt]))
 
 
-@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("fmt", sorted(LAYOUTS))
 def test_int8_activations_stay_close_to_the_float_matmul(fmt):
     """The only approximation: x rounded to 8 bits per block of 32. Its error
     per product is at most dx / 2; summed over K it stays far below the
     size of the outputs."""
     n, k = 64, 1536
-    blocks = random_blocks(fmt, n, k, seed=5)
-    weight = torch.ops.sluice_cpu.dequantize(torch.from_numpy(blocks).reshape(-1), FORMATS[fmt], n, k)
+    w = records(fmt, n, k, seed=5)
     x = randn(4, k, seed=6)
-    got = q8_linear(x, blocks, fmt, n, k)
-    exact = x @ weight.T
+    got = q8_linear(x, w, LAYOUTS[fmt])
+    exact = x @ torch.from_numpy(w.expand()).T
     rel = (got - exact).norm() / exact.norm()
     assert rel < 0.01, f"relative error {rel:.4f}"
 
 
 def test_pack_and_linear_reject_mismatched_shapes():
-    blocks = torch.from_numpy(random_blocks("Q4_1", 4, 64, seed=3)).reshape(-1)
+    w = records("Q4_1", 4, 64, seed=3)
+    sw, cw, wq = (torch.from_numpy(a) for a in (w.sw, w.cw, w.wq))
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        torch.ops.sluice_cpu.q8_pack(blocks, 0, 4, 48)
-    with pytest.raises(RuntimeError, match="must be contiguous uint8"):
-        torch.ops.sluice_cpu.q8_pack(blocks, 0, 8, 64)
-    packed = torch.ops.sluice_cpu.q8_pack(blocks, 0, 4, 64)
+        torch.ops.sluice_cpu.q8_pack(sw, cw, wq[:, :48].contiguous(), 0)
+    with pytest.raises(RuntimeError, match="must be contiguous float32"):
+        torch.ops.sluice_cpu.q8_pack(sw[:2], cw, wq, 0)
+    with pytest.raises(RuntimeError, match="layout must be"):
+        torch.ops.sluice_cpu.q8_pack(sw, cw, wq, 4)
+    packed = gguf_blocks.pack(w, 0)
     with pytest.raises(RuntimeError, match="does not match"):
         torch.ops.sluice_cpu.q8_linear(randn(1, 128), packed, 0, 4)
+    with pytest.raises(RuntimeError, match="does not match"):
+        torch.ops.sluice_cpu.q8_linear(randn(1, 64), packed, 2, 4)
     with pytest.raises(RuntimeError, match="format must be"):
         torch.ops.sluice_cpu.q8_linear(randn(1, 64), packed, 7, 4)

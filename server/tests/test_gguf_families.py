@@ -176,3 +176,32 @@ def test_logits_equal_transformers_reading_the_gguf(converted):
     for _ in range(7):
         d.step([(r, 1)])
     torch.testing.assert_close(d.computed(1, 0, 20), want, atol=1e-4, rtol=0)
+
+
+def test_decodes_run_on_the_k_quant_blocks(converted):
+    """--dtype auto: every layer whose GGUF tensors are all in types the int8
+    kernel reads (Q4_K, Q5_K, Q8_0 here; not Q6_K) multiplies on its blocks,
+    and the logits stay those of the float32 weights up to the int8 rounding
+    of the activations."""
+    from sluice_server.layers import gguf_blocks
+    from sluice_server.layers.gguf_weights import _pieces
+
+    _, _, types, folder = converted
+    tokens = torch.randint(0, VOCAB_BYTES, (12,), generator=torch.Generator().manual_seed(2)).tolist()
+    logits = {}
+    for dtype in ("float32", "auto"):
+        runner = ModelRunner(folder, dtype=dtype, block_size=4)
+        d = Driver(runner)
+        r = d.request(1, tokens)
+        d.step([(r, 8)])
+        for _ in range(4):
+            d.step([(r, 1)])
+        logits[dtype] = d.computed(1, 8, 12)
+    pieces = _pieces(runner.model)
+    readable = [m for m, names in pieces if all(types.get(n) in gguf_blocks.FORMATS for n in names)]
+    attached = [m for m, _ in pieces if getattr(m, "quantized", None) is not None]
+    assert attached == readable
+    k_quants = {types[n] for m, names in pieces if m in attached for n in names} - {"Q8_0"}
+    assert k_quants, "no K-quant layer ran on its blocks"
+    rel = (logits["auto"] - logits["float32"]).norm() / logits["float32"].norm()
+    assert rel < 0.05, rel

@@ -1,27 +1,27 @@
 // y = x W^T on GGUF weight blocks with int8 activations: llama.cpp's
-// arithmetic (Q4_1 x Q8_1, Q8_0 x Q8_0), run with integer dot products.
+// arithmetic (Q4_1 x Q8_1, Q8_0 x Q8_0, ...), run with integer dot products.
 //
 // Activations: each row of x is cut into blocks of 32 values and quantized
 // once per call, per block:  dx = max|x| / 127,  xq = round(x / dx) (int8),
-// sx = dx * sum(xq).  Weights: a block of 32 is  w = sw * wq + cw  with wq
-// unsigned 8-bit, which covers both GGUF formats used here:
-//
-//   Q4_1:  wq = the nibble (0..15),     sw = d,  cw = m
-//   Q8_0:  wq = q + 128 (0..255),       sw = d,  cw = -128 d
-//
-// so that, per output and block,
+// sx = dx * sum(xq).  Weights: every GGUF format read here is, per run of 32
+// weights of a row,  w = sw * wq + cw  with wq unsigned (layers/gguf_blocks.py
+// unpacks each format into that form), so that, per output and block,
 //   sum_j w_j x_j  ~  sw * dx * dot(wq, xq)  +  cw * sx
 // where dot(u8, s8) is exact in int32 (VPDPBUSD / PMADDWD).
 //
 // Packed layout (built once at load by q8_pack): output rows in groups of 16,
 // so one 512-bit register holds 16 outputs and a step needs no horizontal sum.
-// For group g, block b (record of 64 + 256 bytes for 4-bit, 64 + 512 for 8-bit):
+// For group g, block b, a record of
 //
-//   [ sw: 16 x fp16 ][ cw: 16 x fp16 ][ weights ]
-//   8-bit weights, chunk c = 0..7 (64 bytes each):  for n < 16: wq[n, 4c .. 4c+3]
-//   4-bit weights, chunk c = 0..3 (64 bytes each):  for n < 16, i < 4:
+//   [ sw: 16 scales ][ cw: 16 scales ][ weights ]
+//
+// with the scales fp16 where that holds them exactly (Q4_0/1, Q5_0/1, Q8_0)
+// and fp32 otherwise (the K-quants' d * scale products), and the weights
+//   8-bit, chunk c = 0..7 (64 bytes each):  for n < 16: wq[n, 4c .. 4c+3]
+//   4-bit, chunk c = 0..3 (64 bytes each):  for n < 16, i < 4:
 //        byte = wq[n, 4c + i] | wq[n, 16 + 4c + i] << 4
 //        (low nibbles: K-chunk c, high nibbles: K-chunk c + 4)
+// The four layouts are the codes below (the `format` argument of q8_linear).
 //
 // A K-chunk of 4 values of one activation row is broadcast to all 16 lanes and
 // multiplied with the 16 outputs' 4 weights: one VPDPBUSD per chunk.
@@ -63,70 +63,77 @@ namespace {
 constexpr int64_t QK = 32;  // values per block
 constexpr int64_t NG = 16;  // outputs per group
 
-enum Format : int64_t { Q4_1 = 0, Q8_0 = 1 };
+// Record layouts: weight bits x scale width.
+enum Layout : int64_t { U4_F16 = 0, U8_F16 = 1, U4_F32 = 2, U8_F32 = 3 };
 enum Isa : int64_t { ISA_AUTO = 0, ISA_SCALAR = 1, ISA_AVX2 = 2, ISA_AVX_VNNI = 3, ISA_AVX512_VNNI = 4 };
 
-inline int64_t gguf_block_bytes(int64_t f) { return f == Q4_1 ? 20 : 34; }
-inline int64_t weight_bytes(int64_t f) { return f == Q4_1 ? NG * QK / 2 : NG * QK; }
-inline int64_t record_bytes(int64_t f) { return 2 * NG * 2 + weight_bytes(f); }
+constexpr bool four_bit(int64_t l) { return l == U4_F16 || l == U4_F32; }
+constexpr bool f32_scales(int64_t l) { return l == U4_F32 || l == U8_F32; }
+constexpr int64_t scale_bytes(int64_t l) { return f32_scales(l) ? 4 : 2; }
+constexpr int64_t header_bytes(int64_t l) { return 2 * NG * scale_bytes(l); }
+constexpr int64_t record_bytes(int64_t l) { return header_bytes(l) + (four_bit(l) ? NG * QK / 2 : NG * QK); }
 
 inline float fp16(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
   return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
 }
-inline uint16_t to_fp16(float v) { return c10::Half(v).x; }
+
+// Scale i (< 16) of a record's sw (which = 0) or cw (which = 1) half.
+inline float record_scale(int64_t layout, const uint8_t* rec, int which, int64_t i) {
+  const uint8_t* p = rec + (which * NG + i) * scale_bytes(layout);
+  if (!f32_scales(layout)) return fp16(p);
+  float v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
 
 // ---------------------------------------------------------------------------
 // Packing (load time)
 
-// One GGUF block -> (sw, cw, wq[32]).
-void unpack_gguf_block(int64_t f, const uint8_t* blk, float& sw, float& cw, uint8_t* wq) {
-  sw = fp16(blk);
-  if (f == Q4_1) {
-    cw = fp16(blk + 2);
-    for (int j = 0; j < 16; ++j) {
-      wq[j] = blk[4 + j] & 15;
-      wq[j + 16] = blk[4 + j] >> 4;
-    }
-  } else {
-    cw = -128.f * sw;
-    for (int j = 0; j < 32; ++j) wq[j] = static_cast<uint8_t>(static_cast<int8_t>(blk[2 + j]) + 128);
-  }
-}
-
-at::Tensor q8_pack(const at::Tensor& blocks, int64_t format, int64_t N, int64_t K) {
-  TORCH_CHECK(format == Q4_1 || format == Q8_0, "format must be 0 (Q4_1) or 1 (Q8_0)");
+at::Tensor q8_pack(const at::Tensor& sw, const at::Tensor& cw, const at::Tensor& wq, int64_t layout) {
+  TORCH_CHECK(layout >= U4_F16 && layout <= U8_F32, "layout must be 0..3");
+  TORCH_CHECK(wq.scalar_type() == at::kByte && wq.dim() == 2 && wq.is_contiguous(), "wq must be contiguous uint8 [N, K]");
+  const int64_t N = wq.size(0), K = wq.size(1);
   TORCH_CHECK(K % QK == 0, "K must be a multiple of 32");
-  const int64_t nb = K / QK, bb = gguf_block_bytes(format);
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && blocks.numel() == N * nb * bb,
-              "blocks must be contiguous uint8 holding [N, K] in this format");
-  const int64_t groups = (N + NG - 1) / NG, rb = record_bytes(format);
-  at::Tensor packed = at::zeros({groups * nb * rb}, blocks.options());
-  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  const int64_t nb = K / QK;
+  for (const at::Tensor* t : {&sw, &cw})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == N &&
+                    t->size(1) == nb,
+                "sw and cw must be contiguous float32 [N, K/32]");
+  const int64_t groups = (N + NG - 1) / NG, rb = record_bytes(layout), sb = scale_bytes(layout);
+  at::Tensor packed = at::zeros({groups * nb * rb}, wq.options());
+  const float* swp = sw.data_ptr<float>();
+  const float* cwp = cw.data_ptr<float>();
+  const uint8_t* src = wq.data_ptr<uint8_t>();
   uint8_t* dst = packed.data_ptr<uint8_t>();
+  const bool four = four_bit(layout);
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    uint8_t wq[QK];
     for (int64_t g = g0; g < g1; ++g) {
       for (int64_t b = 0; b < nb; ++b) {
         uint8_t* rec = dst + (g * nb + b) * rb;
-        uint16_t* sw = reinterpret_cast<uint16_t*>(rec);
-        uint16_t* cw = sw + NG;
-        uint8_t* w = rec + 2 * NG * 2;
+        uint8_t* w = rec + header_bytes(layout);
         for (int64_t i = 0; i < NG; ++i) {
           const int64_t n = g * NG + i;
           if (n >= N) break;  // padding rows stay zero: they add nothing
-          float s, c;
-          unpack_gguf_block(format, src + (n * nb + b) * bb, s, c, wq);
-          sw[i] = to_fp16(s);
-          cw[i] = to_fp16(c);
-          if (format == Q8_0) {
+          const float scales[2] = {swp[n * nb + b], cwp[n * nb + b]};
+          for (int which = 0; which < 2; ++which) {
+            uint8_t* p = rec + (which * NG + i) * sb;
+            if (f32_scales(layout)) {
+              std::memcpy(p, &scales[which], 4);
+            } else {
+              const uint16_t h = c10::Half(scales[which]).x;
+              std::memcpy(p, &h, 2);
+            }
+          }
+          const uint8_t* q = src + n * K + b * QK;
+          if (!four) {
             for (int c8 = 0; c8 < 8; ++c8)
-              for (int k = 0; k < 4; ++k) w[c8 * 64 + i * 4 + k] = wq[c8 * 4 + k];
+              for (int k = 0; k < 4; ++k) w[c8 * 64 + i * 4 + k] = q[c8 * 4 + k];
           } else {
             for (int c4 = 0; c4 < 4; ++c4)
               for (int k = 0; k < 4; ++k)
-                w[c4 * 64 + i * 4 + k] = wq[c4 * 4 + k] | static_cast<uint8_t>(wq[16 + c4 * 4 + k] << 4);
+                w[c4 * 64 + i * 4 + k] = (q[c4 * 4 + k] & 15) | static_cast<uint8_t>(q[16 + c4 * 4 + k] << 4);
           }
         }
       }
@@ -218,10 +225,10 @@ void group_scalar(const Args& a, int64_t g, int64_t r0, int64_t R) {
   float acc[8][NG] = {};
   for (int64_t b = 0; b < a.nb; ++b) {
     const uint8_t* rec = a.packed + (g * a.nb + b) * rb;
-    const uint8_t* w = rec + 2 * NG * 2;
+    const uint8_t* w = rec + header_bytes(a.format);
     for (int64_t i = 0; i < NG; ++i) {
       uint8_t wq[QK];
-      if (a.format == Q8_0) {
+      if (!four_bit(a.format)) {
         for (int c = 0; c < 8; ++c)
           for (int k = 0; k < 4; ++k) wq[c * 4 + k] = w[c * 64 + i * 4 + k];
       } else {
@@ -232,7 +239,7 @@ void group_scalar(const Args& a, int64_t g, int64_t r0, int64_t R) {
             wq[16 + c * 4 + k] = byte >> 4;
           }
       }
-      const float sw = fp16(rec + 2 * i), cw = fp16(rec + 2 * NG + 2 * i);
+      const float sw = record_scale(a.format, rec, 0, i), cw = record_scale(a.format, rec, 1, i);
       for (int64_t r = 0; r < R; ++r) {
         const int8_t* xq = a.xq + (r0 + r) * a.K + b * QK;
         int32_t dot = 0;
@@ -250,7 +257,7 @@ void group_scalar(const Args& a, int64_t g, int64_t r0, int64_t R) {
 template <int R, int64_t F>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void group_avx512(const Args& a, int64_t g,
                                                                                           int64_t r0) {
-  constexpr int64_t rb = 2 * NG * 2 + (F == Q4_1 ? NG * QK / 2 : NG * QK);
+  constexpr int64_t rb = record_bytes(F);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const uint8_t* rec = a.packed + g * a.nb * rb;
@@ -259,11 +266,17 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void group_
   const float* dx = a.dx + r0 * a.nb;
   const float* sx = a.sx + r0 * a.nb;
   for (int64_t b = 0; b < a.nb; ++b, rec += rb) {
-    const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
-    const __m512 cw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32)));
-    const uint8_t* wp = rec + 64;
+    __m512 sw, cw;
+    if constexpr (f32_scales(F)) {
+      sw = _mm512_loadu_ps(rec);
+      cw = _mm512_loadu_ps(rec + 64);
+    } else {
+      sw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
+      cw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32)));
+    }
+    const uint8_t* wp = rec + header_bytes(F);
     __m512i w[8];
-    if constexpr (F == Q8_0) {
+    if constexpr (!four_bit(F)) {
       for (int c = 0; c < 8; ++c) w[c] = _mm512_loadu_si512(wp + 64 * c);
     } else {
       const __m512i mask = _mm512_set1_epi8(15);
@@ -313,7 +326,7 @@ __attribute__((target("avx2"))) inline __m256i dot_u8s8<false>(__m256i acc, __m2
 
 template <int R, int64_t F, bool VNNI>
 __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_avx2(const Args& a, int64_t g, int64_t r0) {
-  constexpr int64_t rb = 2 * NG * 2 + (F == Q4_1 ? NG * QK / 2 : NG * QK);
+  constexpr int64_t rb = record_bytes(F);
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const uint8_t* rec = a.packed + g * a.nb * rb;
@@ -322,12 +335,17 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_avx2(const Args& a, 
   for (int64_t b = 0; b < a.nb; ++b, rec += rb) {
     __m256 sw[2], cw[2];
     for (int h = 0; h < 2; ++h) {
-      sw[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 16 * h)));
-      cw[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 + 16 * h)));
+      if constexpr (f32_scales(F)) {
+        sw[h] = _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 32 * h));
+        cw[h] = _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 64 + 32 * h));
+      } else {
+        sw[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 16 * h)));
+        cw[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 + 16 * h)));
+      }
     }
-    const uint8_t* wp = rec + 64;
+    const uint8_t* wp = rec + header_bytes(F);
     __m256i w[8][2];
-    if constexpr (F == Q8_0) {
+    if constexpr (!four_bit(F)) {
       for (int c = 0; c < 8; ++c)
         for (int h = 0; h < 2; ++h) w[c][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 64 * c + 32 * h));
     } else {
@@ -433,14 +451,14 @@ Isa best_isa() {
 namespace sluice_cpu {
 
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t N, int64_t isa_code) {
-  TORCH_CHECK(format == Q4_1 || format == Q8_0, "format must be 0 (Q4_1) or 1 (Q8_0)");
+  TORCH_CHECK(format >= U4_F16 && format <= U8_F32, "format must be a record layout, 0..3");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, "x must be float32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % QK == 0, "K must be a multiple of 32");
   const int64_t nb = K / QK, groups = (N + NG - 1) / NG;
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.numel() == groups * nb * record_bytes(format),
-              "packed weight does not match [", N, ", ", K, "] in this format (see q8_pack)");
+              "packed weight does not match [", N, ", ", K, "] in this layout (see q8_pack)");
   const Isa isa = isa_code == ISA_AUTO ? best_isa() : static_cast<Isa>(isa_code);
   TORCH_CHECK(isa >= ISA_SCALAR && isa <= ISA_AVX512_VNNI, "unknown isa code ", isa_code);
   TORCH_CHECK(host_has(isa), "this CPU cannot run isa code ", isa_code);
@@ -462,10 +480,12 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t form
       sub.dx = a.dx + r * nb;
       sub.sx = a.sx + r * nb;
       sub.y = a.y + r * N;
-      if (format == Q4_1)
-        run_group<Q4_1>(isa, sub, g, m);
-      else
-        run_group<Q8_0>(isa, sub, g, m);
+      switch (format) {
+        case U4_F16: run_group<U4_F16>(isa, sub, g, m); break;
+        case U8_F16: run_group<U8_F16>(isa, sub, g, m); break;
+        case U4_F32: run_group<U4_F32>(isa, sub, g, m); break;
+        default: run_group<U8_F32>(isa, sub, g, m); break;
+      }
     }
   });
   return y;
@@ -494,7 +514,7 @@ std::vector<int64_t> q8_isas() {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(sluice_cpu, m) {
-  m.def("q8_pack(Tensor blocks, int format, int out_features, int in_features) -> Tensor");
+  m.def("q8_pack(Tensor sw, Tensor cw, Tensor wq, int layout) -> Tensor");
   m.def("q8_linear(Tensor x, Tensor packed, int format, int out_features, int isa=0) -> Tensor");
   m.def("q8_quantize(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("q8_isas() -> int[]");

@@ -21,9 +21,9 @@ tests), not quietly turn into the slower fallback.
         layers.ops.CpuOps
     quant_linear(x, blocks, format, out_features); dequantize(...): matmuls on
         GGUF's Q4_1 / Q8_0 blocks expanded to float32 (cpu_quant_linear.cpp)
-    q8_pack(blocks, ...); q8_linear(x, packed, format, out_features, isa=0):
-        the same blocks with int8 activations (cpu_q8_linear.cpp); see
-        layers.gguf_weights
+    q8_pack(sw, cw, wq, layout); q8_linear(x, packed, layout, out_features, isa=0):
+        GGUF blocks of many types (unpacked by layers.gguf_blocks) with int8
+        activations (cpu_q8_linear.cpp); see layers.gguf_weights
     torch.classes.sluice_cpu.LlamaDecoder: a decode step through every layer
         in one call (cpu_decoder.cpp), see layers.cpu_decoder
 """

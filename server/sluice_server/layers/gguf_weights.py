@@ -5,9 +5,11 @@ gguf_convert.py); that folder is what every path computes with. On CPU the
 weights of a decode step are read from memory once per step, which is the
 whole cost at small batches: Q4_1 blocks are 0.625 bytes per weight against
 float32's 4. So, for each linear layer whose GGUF tensors are in a block
-format the C++ kernels read (Q4_1, Q8_0), the blocks are attached too, and
-matmuls of at most `max_rows` rows run on them; larger ones (prefill, big
-decode batches) keep the packed dense weights (layers.linear).
+format the C++ kernels read, the blocks are attached too, and matmuls of at
+most `max_rows` rows run on them; larger ones (prefill, big decode batches)
+keep the packed dense weights (layers.linear). The int8 kernel reads Q4_0,
+Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K, mixed within a layer (the types of
+Q4_K_M / Q5_K_M files but Q6_K; gguf_blocks.py); the exact one Q4_1 and Q8_0.
 
 Two arithmetics on the blocks (`QuantizedWeight.int8`):
 
@@ -46,12 +48,13 @@ import torch
 from torch import nn
 
 from sluice_server.model_folder import SOURCE_FILE
-from sluice_server.layers import cpu_kernels
+from sluice_server.layers import cpu_kernels, gguf_blocks
 
 log = logging.getLogger(__name__)
 
-# GGUF tensor type name -> the kernel's format code.
-FORMATS = {"Q4_1": 0, "Q8_0": 1}
+# Types the exact kernel (quant_linear) reads -> its format code. The int8
+# kernel reads every type of gguf_blocks.FORMATS.
+EXACT_FORMATS = {"Q4_1": 0, "Q8_0": 1}
 
 
 @dataclass
@@ -59,8 +62,9 @@ class QuantizedWeight:
     """One layer's GGUF blocks in the form its kernel reads."""
 
     # uint8. exact: the GGUF blocks, [N * K/32 * block_bytes], rows in the
-    # layer's order; int8: the same blocks repacked by q8_pack.
+    # layer's order; int8: the blocks as records (gguf_blocks.pack).
     data: torch.Tensor
+    # exact: EXACT_FORMATS' code; int8: the record layout (gguf_blocks.layout).
     format: int
     out_features: int
     int8: bool
@@ -97,19 +101,16 @@ def _pieces(model: nn.Module) -> list[tuple[nn.Module, list[str]]]:
     return out
 
 
-def _match_rows(blocks: np.ndarray, fmt: int, want: torch.Tensor) -> np.ndarray | None:
-    """`blocks` [N, row_bytes] reordered so that row j expands to want[j], or None."""
-    n, k = want.shape
-    raw = torch.from_numpy(np.array(blocks, copy=True)).reshape(-1)
-    have = torch.ops.sluice_cpu.dequantize(raw, fmt, n, k)
-    if torch.equal(have, want):
-        return blocks
-    index = {have[i].numpy().tobytes(): i for i in range(n)}
+def _match_rows(have: np.ndarray, want: torch.Tensor) -> np.ndarray | None:
+    """The order of `have`'s rows [N, K] that equals want [N, K], or None."""
+    want = want.numpy()
+    if np.array_equal(have, want):
+        return np.arange(len(want))
+    index = {have[i].tobytes(): i for i in range(len(have))}
     try:
-        order = [index[want[j].numpy().tobytes()] for j in range(n)]
+        return np.array([index[want[j].tobytes()] for j in range(len(want))])
     except KeyError:
         return None
-    return blocks[order]
 
 
 def attach_gguf_weights(model: nn.Module, folder: Path, world_size: int, *, int8: bool, max_rows: int) -> int:
@@ -122,30 +123,39 @@ def attach_gguf_weights(model: nn.Module, folder: Path, world_size: int, *, int8
     from gguf import GGUFReader
 
     tensors = {t.name: t for t in GGUFReader(str(gguf)).tensors}
+    readable = gguf_blocks.FORMATS if int8 else EXACT_FORMATS.keys()
     attached = 0
     for module, names in _pieces(model):
-        if not all(name in tensors and tensors[name].tensor_type.name in FORMATS for name in names):
+        if not all(name in tensors and tensors[name].tensor_type.name in readable for name in names):
             continue
-        formats = {FORMATS[tensors[name].tensor_type.name] for name in names}
+        types = {tensors[name].tensor_type.name for name in names}
         weight = module.weight.detach()
-        if len(formats) != 1 or weight.dtype != torch.float32 or weight.shape[1] % 32:
+        if weight.dtype != torch.float32 or weight.shape[1] % 32 or (not int8 and len(types) != 1):
             continue
-        fmt = formats.pop()
-        rows, first = [], 0
+        n, k = weight.shape
+        if any(k % gguf_blocks.BLOCK_VALUES.get(t, 32) for t in types):
+            continue
+        pieces, first = [], 0
         for name in names:
-            blocks = tensors[name].data
-            n = blocks.shape[0]
-            matched = _match_rows(blocks, fmt, weight[first : first + n])
-            if matched is None:
+            tensor = tensors[name]
+            blocks = np.asarray(tensor.data)
+            records = gguf_blocks.unpack(tensor.tensor_type.name, blocks, k)
+            order = _match_rows(records.expand(), weight[first : first + len(blocks)])
+            if order is None:
                 break
-            rows.append(matched)
-            first += n
-        if first != weight.shape[0] or len(rows) != len(names):
+            pieces.append((blocks[order], records.take(order)))
+            first += len(blocks)
+        if first != n or len(pieces) != len(names):
             log.warning("GGUF blocks of %s do not match the loaded weight; using float32 only", names[0])
             continue
-        blocks = torch.from_numpy(np.concatenate(rows)).reshape(-1)
-        n, k = weight.shape
-        data = torch.ops.sluice_cpu.q8_pack(blocks, fmt, n, k) if int8 else blocks
+        if int8:
+            records = gguf_blocks.Records(*(np.concatenate(parts) for parts in zip(
+                *((r.sw, r.cw, r.wq) for _, r in pieces))))
+            fmt = gguf_blocks.layout(types, records)
+            data = gguf_blocks.pack(records, fmt)
+        else:
+            fmt = EXACT_FORMATS[types.pop()]
+            data = torch.from_numpy(np.concatenate([b for b, _ in pieces])).reshape(-1)
         module.quantized = QuantizedWeight(data, fmt, n, int8, max_rows)
         attached += 1
     return attached

@@ -1,0 +1,139 @@
+"""GGUF block formats as the int8 CPU kernel reads them.
+
+Every format below is, for each run of 32 weights of a row,
+
+    w_j = sw * wq_j + cw        wq_j unsigned, 4 or 8 bits
+
+(`unpack` returns sw, cw [rows, K/32] float32 and wq [rows, K] uint8), which
+is the form csrc/cpu_q8_linear.cpp multiplies with int8 activations:
+
+    type   bytes / weights   per 32 weights                 sw        cw           wq
+    Q4_0   18 / 32           d, 16 bytes of nibbles         d         -8 d         nibble
+    Q4_1   20 / 32           d, m, nibbles                  d         m            nibble
+    Q5_0   22 / 32           d, 32 high bits, nibbles       d         -16 d        nibble + 16 bit
+    Q5_1   24 / 32           d, m, high bits, nibbles       d         m            nibble + 16 bit
+    Q8_0   34 / 32           d, 32 int8                     d         -128 d       q + 128
+    Q4_K   144 / 256         d, dmin, 12 bytes of 6-bit     d * sc    -dmin * m    nibble
+                             (sc, m) pairs, nibbles
+    Q5_K   176 / 256         as Q4_K, plus 32 bytes of      d * sc    -dmin * m    nibble + 16 bit
+                             high bits
+
+(d, m, dmin are fp16.) sw * wq + cw is the gguf package's dequantized weight
+(server/kernel_tests/test_gguf_blocks.py checks every type against it).
+Q6_K, whose 16-weight sub-blocks have scales of their own, and the other
+types are not read here: their layers keep dense weights.
+
+`pack` chooses the record layout of a layer: 4-bit weights if every wq fits
+in 4 bits, and fp16 scales where fp16 holds every sw and cw exactly (all the
+32-weight formats), fp32 otherwise (the K-quants' d * sc products).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+QK = 32
+# 4-bit weights; formats of the first set only are read with 4-bit records.
+FOUR_BIT = {"Q4_0", "Q4_1", "Q4_K"}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176}
+BLOCK_VALUES = {"Q4_K": 256, "Q5_K": 256}
+FORMATS = frozenset(BLOCK_BYTES)
+
+
+@dataclass
+class Records:
+    sw: np.ndarray  # float32 [rows, K/32]
+    cw: np.ndarray  # float32 [rows, K/32]
+    wq: np.ndarray  # uint8 [rows, K]
+
+    def take(self, order) -> "Records":
+        return Records(self.sw[order], self.cw[order], self.wq[order])
+
+    def expand(self) -> np.ndarray:
+        """The float32 weight [rows, K] the records stand for."""
+        rows, k = self.wq.shape
+        w = self.wq.reshape(rows, k // QK, QK).astype(np.float32) * self.sw[..., None] + self.cw[..., None]
+        return w.reshape(rows, k)
+
+
+def _fp16(raw: np.ndarray, at: int) -> np.ndarray:
+    """The fp16 at byte `at` of each block, as float32 [..., 1]."""
+    return np.ascontiguousarray(raw[..., at : at + 2]).view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """16 bytes -> 32 values: the low nibbles, then the high ones."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def _high_bits(qh: np.ndarray, count: int) -> np.ndarray:
+    """Bit j (j < count) of little-endian bytes qh [..., count/8] -> [..., count] in {0, 1}."""
+    return np.unpackbits(qh, axis=-1, bitorder="little")[..., :count]
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 12 bytes of a K-quant super-block -> its 8 (scale, min) 6-bit pairs."""
+    s = scales.astype(np.uint8)
+    lo, hi = s[..., 0:4], s[..., 4:8]
+    mix = s[..., 8:12]
+    sc = np.concatenate([lo & 63, (mix & 15) | ((lo >> 6) << 4)], axis=-1)
+    m = np.concatenate([hi & 63, (mix >> 4) | ((hi >> 6) << 4)], axis=-1)
+    return sc.astype(np.float32), m.astype(np.float32)
+
+
+def unpack(type_name: str, blocks: np.ndarray, k: int) -> Records:
+    """GGUF blocks [rows, row bytes] of one tensor -> its records."""
+    rows = blocks.shape[0]
+    per = BLOCK_VALUES.get(type_name, QK)
+    raw = np.asarray(blocks, dtype=np.uint8).reshape(rows, k // per, BLOCK_BYTES[type_name])
+    if per == QK:
+        d = _fp16(raw, 0)
+        if type_name == "Q8_0":
+            wq = (raw[..., 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+            sw, cw = d, -128.0 * d
+        elif type_name in ("Q4_0", "Q4_1"):
+            start = 2 if type_name == "Q4_0" else 4
+            wq = _nibbles(raw[..., start : start + 16])
+            sw, cw = d, (-8.0 * d if type_name == "Q4_0" else _fp16(raw, 2))
+        else:  # Q5_0, Q5_1
+            start = 2 if type_name == "Q5_0" else 4
+            high = _high_bits(raw[..., start : start + 4], 32)
+            wq = _nibbles(raw[..., start + 4 : start + 20]) | (high << 4)
+            sw, cw = d, (-16.0 * d if type_name == "Q5_0" else _fp16(raw, 2))
+        return Records(sw[..., 0], cw[..., 0], wq.reshape(rows, k))
+    # K-quants: super-blocks of 256 = 8 sub-blocks of 32.
+    d, dmin = _fp16(raw, 0), _fp16(raw, 2)
+    sc, m = _k_scales(raw[..., 4:16])
+    qs = raw[..., -128:].reshape(rows, -1, 4, 32)  # 4 chunks of 32 bytes: sub-blocks 2c (low), 2c + 1 (high)
+    wq = np.stack([qs & 15, qs >> 4], axis=3).reshape(rows, -1, 8, 32)
+    if type_name == "Q5_K":
+        high = _high_bits(raw[..., 16:48], 256).reshape(rows, -1, 32, 8)  # [.., l, j]: bit j of qh[l]
+        wq = wq | (high.transpose(0, 1, 3, 2) << 4)
+    sw = (d * sc).reshape(rows, -1)
+    cw = (-(dmin * m)).reshape(rows, -1)
+    return Records(sw, cw, wq.reshape(rows, k).astype(np.uint8))
+
+
+def _fits_fp16(a: np.ndarray) -> bool:
+    return bool(np.array_equal(a.astype(np.float16).astype(np.float32), a))
+
+
+def layout(types: set[str], records: Records) -> int:
+    """The record layout code of csrc/cpu_q8_linear.cpp for a layer made of
+    `types`: 4-bit weights where all types have them, fp16 scales where exact."""
+    four = types <= FOUR_BIT
+    f32 = not (_fits_fp16(records.sw) and _fits_fp16(records.cw))
+    return (0 if four else 1) + (2 if f32 else 0)
+
+
+def pack(records: Records, layout_code: int) -> torch.Tensor:
+    """The packed weight q8_linear reads (see csrc/cpu_q8_linear.cpp)."""
+    return torch.ops.sluice_cpu.q8_pack(
+        torch.from_numpy(np.ascontiguousarray(records.sw, dtype=np.float32)),
+        torch.from_numpy(np.ascontiguousarray(records.cw, dtype=np.float32)),
+        torch.from_numpy(np.ascontiguousarray(records.wq, dtype=np.uint8)),
+        layout_code,
+    )
