@@ -5,7 +5,9 @@
 //   rms_norm(x, residual?, weight, eps) -> (normed, sum)
 //       sum = x + residual (or x); normed = sum * rsqrt(mean(sum^2) + eps) * weight
 //   rotary_(q, k, cos, sin)        GPT-NeoX rotate-half, in place; token t uses row t
-//   silu_mul(x) -> out             [T, 2I] -> silu(x[:, :I]) * x[:, I:]
+//   silu_mul(x) -> out             [T, 2I] -> silu(x[:, :I]) * x[:, I:] (ATen's
+//                                  kernels, for the C++ decoder: the Python
+//                                  forward runs the same two in torch)
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -98,17 +100,13 @@ void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor
 
 at::Tensor silu_mul(const at::Tensor& x) {
   check_float_rows(x, "x");
-  const int64_t T = x.size(0), I = x.size(1) / 2;
   TORCH_CHECK(x.size(1) % 2 == 0, "x must be [T, 2I]");
-  at::Tensor out = at::empty({T, I}, x.options());
-  at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* g = x.data_ptr<float>() + t * x.stride(0);
-      const float* u = g + I;
-      float* o = out.data_ptr<float>() + t * I;
-      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-    }
-  });
+  // ATen's silu is vectorized (a scalar exp loop here ran 3-9x slower, from
+  // one decode row to a 2048-token prefill) and is the arithmetic of
+  // transformers' F.silu(gate) * up, bit for bit.
+  const int64_t I = x.size(1) / 2;
+  at::Tensor out = at::silu(x.narrow(1, 0, I));
+  out.mul_(x.narrow(1, I, I));
   return out;
 }
 

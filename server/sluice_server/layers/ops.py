@@ -112,10 +112,6 @@ class CpuOps(TorchOps):
         else:
             super().rotary_(q, k, tables)
 
-    def silu_mul(self, x):
-        if x.dim() == 2 and _cpu_f32(x):
-            return torch.ops.sluice_cpu.silu_mul(x)
-        return super().silu_mul(x)
 
 
 class TritonOps(TorchOps):
