@@ -41,3 +41,36 @@ def test_shapes_of_a_llama_config():
     shapes = {name: (out, inp, n) for name, out, inp, n in load_script().model_shapes(config)}
     assert shapes == {"qkv_proj": (64 + 2 * 32, 64, 3), "o_proj": (64, 64, 3), "gate_up_proj": (192, 64, 3),
                       "down_proj": (64, 96, 3), "lm_head": (100, 64, 1)}
+
+
+@pytest.mark.parametrize("rows", [3, 40])
+def test_mlp_keeps_its_intermediate_in_the_packed_dtype(rows):
+    """Dense bfloat16 weights under float32 activations (the CPU `auto` path
+    above the block rows): gate_up's output stays bfloat16 into the
+    activation and down_proj, and the MLP returns float32 close to the
+    float32 MLP."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    from sluice_server.distributed import SINGLE
+    from sluice_server.layers.linear import pack_linear_weights
+    from sluice_server.layers.ops import TorchOps
+    from sluice_server.models.llama import LlamaMLP
+
+    if not can_pack_for_cpu(torch.empty(1, 1, dtype=torch.bfloat16)):
+        pytest.skip("this torch build cannot pack bfloat16 weights (no oneDNN linear ops)")
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, mlp_bias=False)
+    mlp = LlamaMLP(cfg, SINGLE, SimpleNamespace(ops=TorchOps()))
+    g = torch.Generator().manual_seed(0)
+    for layer in (mlp.gate_up_proj, mlp.down_proj):
+        layer.weight.data = torch.randn(layer.weight.shape, generator=g) * 0.1
+    x = torch.randn(rows, 64, generator=g)
+    want = mlp(x)
+    seen = []
+    act = mlp.act_mul
+    mlp.act_mul = lambda h: seen.append(h.dtype) or act(h)
+    pack_linear_weights(mlp, torch.bfloat16)
+    got = mlp(x)
+    assert seen == [torch.bfloat16] and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=0.05, rtol=0.05)

@@ -44,14 +44,19 @@ def pack_for_cpu(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torc
     return _MKLDNN._reorder_linear_weight(weight.to(dtype or weight.dtype).contiguous())
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W^T + bias on a packed weight. A weight packed in another dtype
-    than x (bfloat16 under float32 activations) is multiplied in its own
-    dtype, accumulated in float32 by oneDNN, and returned in x's dtype."""
-    if packed.dtype == x.dtype:
-        return _MKLDNN._linear_pointwise(x, packed, bias, "none", [], "")
-    bias = None if bias is None else bias.to(packed.dtype)
-    return _MKLDNN._linear_pointwise(x.to(packed.dtype), packed, bias, "none", [], "").to(x.dtype)
+def packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """x @ W^T + bias on a packed weight, returned in `out_dtype` (default:
+    x's). A weight packed in another dtype than x (bfloat16 under float32
+    activations) is multiplied in its own dtype, accumulated in float32 by
+    oneDNN."""
+    out_dtype = out_dtype or x.dtype
+    if packed.dtype != x.dtype:
+        x = x.to(packed.dtype)
+        bias = None if bias is None else bias.to(packed.dtype)
+    y = _MKLDNN._linear_pointwise(x, packed, bias, "none", [], "")
+    return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
 class PackableLinear(nn.Module):
@@ -75,13 +80,25 @@ class PackableLinear(nn.Module):
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)
         return True
 
-    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def matmul_dtype(self, x: torch.Tensor) -> torch.dtype:
+        """The dtype in which this layer multiplies x: the packed weight's
+        (bfloat16 under float32 activations on CPUs with native bf16), else x's."""
+        if self.packed is not None and not (self.quantized is not None and self.quantized.handles(x)):
+            return self.packed.dtype
+        return x.dtype
+
+    def _linear(
+        self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """x W^T + bias in `out_dtype` (default: x's dtype)."""
         if self.quantized is not None and self.quantized.handles(x):
             y = self.quantized.linear(x)
-            return y if bias is None else y + bias
-        if self.packed is not None:
-            return packed_linear(x, self.packed, bias)
-        return F.linear(x, self.weight, bias)
+            y = y if bias is None else y + bias
+        elif self.packed is not None:
+            return packed_linear(x, self.packed, bias, out_dtype)
+        else:
+            y = F.linear(x, self.weight, bias)
+        return y if out_dtype is None or y.dtype == out_dtype else y.to(out_dtype)
 
 
 def pack_linear_weights(model: nn.Module, dtype: torch.dtype | None = None) -> int:
@@ -147,8 +164,8 @@ class ColumnParallelLinear(PackableLinear):
         offset = sum(self.local_sizes[:shard_id])
         param.data[offset : offset + end - start].copy_(checkpoint[start:end])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(x, self.bias)
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self._linear(x, self.bias, out_dtype)
 
 
 class RowParallelLinear(PackableLinear):
@@ -180,8 +197,8 @@ class RowParallelLinear(PackableLinear):
         _check_shape("row-parallel bias", checkpoint.get_shape(), (self.output_size,))
         param.data.copy_(checkpoint[:])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.dist.all_reduce(self._linear(x, None))
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        y = self.dist.all_reduce(self._linear(x, None, out_dtype))
         if self.bias is not None:
             y = y + self.bias
         return y

@@ -201,7 +201,13 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x):
         # gate_up's local rows are [gate[rank] | up[rank]], what act_mul expects.
-        return self.down_proj(self.act_mul(self.gate_up_proj(x)))
+        # Where both matmuls run in another dtype than x (dense bfloat16 under
+        # float32 activations on CPU), the intermediate stays in that dtype,
+        # as they compute it: one conversion in and one out, not four.
+        inner = self.gate_up_proj.matmul_dtype(x)
+        if inner != self.down_proj.matmul_dtype(x):
+            inner = x.dtype
+        return self.down_proj(self.act_mul(self.gate_up_proj(x, inner)), x.dtype)
 
 
 class LlamaDecoderLayer(nn.Module):
