@@ -139,16 +139,17 @@ def dense_attention(batch: PagedBatch, window: int | None = None) -> torch.Tenso
 
 def random_blocks(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
     """[n, row bytes] uint8 rows of random valid GGUF blocks of type `fmt`
-    (a 32-weight type or a K-quant but Q6_K): random quants, fp16 scale in
-    [-0.05, 0.05] (K-quants: a 32nd of that, their 6-bit sub-scales multiply
-    it) and fp16 min in [-0.3, 0] where the type has one."""
+    (a 32-weight type or a K-quant from Q4_K): random quants, fp16 scale in
+    [-0.05, 0.05] (K-quants: a 32nd of that, their sub-scales multiply it)
+    and fp16 min in [-0.3, 0] where the type has one."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     values, size = GGML_QUANT_SIZES[GGMLQuantizationType[fmt]]
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, (n, k // values, size), dtype=np.uint8)
     scale = 0.05 if values == 32 else 0.05 / 32
-    blocks[..., 0:2] = rng.uniform(-scale, scale, (n, k // values, 1)).astype(np.float16).view(np.uint8)
+    at = size - 2 if fmt == "Q6_K" else 0  # Q6_K's d comes last
+    blocks[..., at : at + 2] = rng.uniform(-scale, scale, (n, k // values, 1)).astype(np.float16).view(np.uint8)
     if fmt in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"):
         blocks[..., 2:4] = rng.uniform(-0.3, 0.0, (n, k // values, 1)).astype(np.float16).view(np.uint8)
     return np.ascontiguousarray(blocks.reshape(n, -1))

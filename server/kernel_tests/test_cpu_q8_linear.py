@@ -28,8 +28,9 @@ from .kernel_cases import random_blocks
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="the CPU kernels did not build")
 
 # Every type the kernel reads, and the record layout each gets alone
-# (0: 4-bit weights, fp16 scales; 1: 8-bit, fp16; 2: 4-bit, fp32; 3: 8-bit, fp32).
-LAYOUTS = {"Q4_0": 0, "Q4_1": 0, "Q5_0": 1, "Q5_1": 1, "Q8_0": 1, "Q4_K": 2, "Q5_K": 3}
+# (0: 4-bit weights, fp16 scales; 1: 8-bit, fp16; 2: 4-bit, fp32; 3: 8-bit,
+# fp32; 4: 8-bit, a fp32 scale pair per 16 weights).
+LAYOUTS = {"Q4_0": 0, "Q4_1": 0, "Q5_0": 1, "Q5_1": 1, "Q8_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4}
 ISA_NAMES = {1: "scalar", 2: "avx2", 3: "avx-vnni", 4: "avx512-vnni"}
 ALL_ISAS = [1, 2, 3, 4]
 
@@ -61,13 +62,15 @@ def reference_quantize(x: torch.Tensor):
 
 
 def reference_q8_linear(x: torch.Tensor, w: gguf_blocks.Records) -> torch.Tensor:
+    """Per run of 16 weights (the records' scale granularity; x's scale is per 32)."""
     m, k = x.shape
-    n, nb = w.sw.shape
+    n, runs = w.sw.shape
     sw, cw = torch.from_numpy(w.sw).double(), torch.from_numpy(w.cw).double()
     wq = torch.from_numpy(w.wq.astype(np.int64))
     xq, dx = reference_quantize(x)
-    dots = torch.einsum("mbj,nbj->mnb", xq.view(m, nb, 32).double(), wq.view(n, nb, 32).double())
-    sx = dx * xq.view(m, nb, 32).sum(-1).double()
+    dx = dx.repeat_interleave(2, dim=1)
+    dots = torch.einsum("mbj,nbj->mnb", xq.view(m, runs, 16).double(), wq.view(n, runs, 16).double())
+    sx = dx * xq.view(m, runs, 16).sum(-1).double()
     y = (dots * sw.unsqueeze(0) * dx.unsqueeze(1)).sum(-1) + sx @ cw.T
     return y.float()
 
@@ -120,16 +123,17 @@ def test_kernels_match_the_reference(isa, fmt, rows):
 @pytest.mark.parametrize("isa", [isa_param(c) for c in ALL_ISAS])
 def test_a_layer_of_mixed_types(isa):
     """Q4_K_M files mix types within a layer (q/k and v of one attention):
-    the records of all of them in the widest layout (8-bit, fp32 scales)."""
-    parts = [records("Q4_K", 16, 512, seed=1), records("Q8_0", 8, 512, seed=2), records("Q5_0", 21, 512, seed=3)]
-    w = gguf_blocks.Records(*(np.concatenate(a) for a in zip(*((p.sw, p.cw, p.wq) for p in parts))))
-    layout = gguf_blocks.layout({"Q4_K", "Q8_0", "Q5_0"}, w)
-    assert layout == 3
+    the records of all of them in a layout that holds every type's."""
     x = randn(3, 512, seed=8)
-    torch.testing.assert_close(q8_linear(x, w, layout, isa), reference_q8_linear(x, w), rtol=2e-5, atol=2e-5)
+    for types, want in ((("Q4_K", "Q8_0", "Q5_0"), 3), (("Q4_K", "Q6_K", "Q8_0"), 4)):
+        parts = [records(t, 8 + 5 * i, 512, seed=i) for i, t in enumerate(types)]
+        w = gguf_blocks.Records(*(np.concatenate(a) for a in zip(*((p.sw, p.cw, p.wq) for p in parts))))
+        layout = gguf_blocks.layout(set(types), w)
+        assert layout == want
+        torch.testing.assert_close(q8_linear(x, w, layout, isa), reference_q8_linear(x, w), rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 def test_a_row_does_not_depend_on_the_other_rows(fmt):
     n, k = 77, 1536
     w = records(fmt, n, k, seed=11)
@@ -160,8 +164,10 @@ def test_pack_and_linear_reject_mismatched_shapes():
         torch.ops.sluice_cpu.q8_pack(sw, cw, wq[:, :48].contiguous(), 0)
     with pytest.raises(RuntimeError, match="must be contiguous float32"):
         torch.ops.sluice_cpu.q8_pack(sw[:2], cw, wq, 0)
+    with pytest.raises(RuntimeError, match="must be contiguous float32"):  # one pair per 32, not 16
+        torch.ops.sluice_cpu.q8_pack(sw[:, ::2].contiguous(), cw[:, ::2].contiguous(), wq, 4)
     with pytest.raises(RuntimeError, match="layout must be"):
-        torch.ops.sluice_cpu.q8_pack(sw, cw, wq, 4)
+        torch.ops.sluice_cpu.q8_pack(sw, cw, wq, 5)
     packed = gguf_blocks.pack(w, 0)
     with pytest.raises(RuntimeError, match="does not match"):
         torch.ops.sluice_cpu.q8_linear(randn(1, 128), packed, 0, 4)

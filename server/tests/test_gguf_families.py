@@ -180,7 +180,7 @@ def test_logits_equal_transformers_reading_the_gguf(converted):
 
 def test_decodes_run_on_the_k_quant_blocks(converted):
     """--dtype auto: every layer whose GGUF tensors are all in types the int8
-    kernel reads (Q4_K, Q5_K, Q8_0 here; not Q6_K) multiplies on its blocks,
+    kernel reads (all here: Q4_K, Q5_K, Q6_K, Q8_0) multiplies on its blocks,
     and the logits stay those of the float32 weights up to the int8 rounding
     of the activations."""
     from sluice_server.layers import gguf_blocks

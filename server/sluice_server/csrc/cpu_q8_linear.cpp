@@ -3,11 +3,13 @@
 //
 // Activations: each row of x is cut into blocks of 32 values and quantized
 // once per call, per block:  dx = max|x| / 127,  xq = round(x / dx) (int8),
-// sx = dx * sum(xq).  Weights: every GGUF format read here is, per run of 32
-// weights of a row,  w = sw * wq + cw  with wq unsigned (layers/gguf_blocks.py
-// unpacks each format into that form), so that, per output and block,
+// sx = dx * sum(xq) (and the same over each half of 16).  Weights: every GGUF
+// format read here is, per run of 32 weights of a row (of 16 for Q6_K),
+// w = sw * wq + cw  with wq unsigned (layers/gguf_blocks.py unpacks each
+// format into that form), so that, per output and block,
 //   sum_j w_j x_j  ~  sw * dx * dot(wq, xq)  +  cw * sx
-// where dot(u8, s8) is exact in int32 (VPDPBUSD / PMADDWD).
+// where dot(u8, s8) is exact in int32 (VPDPBUSD / PMADDWD); with a pair per
+// 16, the same for each half.
 //
 // Packed layout (built once at load by q8_pack): output rows in groups of 16,
 // so one 512-bit register holds 16 outputs and a step needs no horizontal sum.
@@ -16,7 +18,10 @@
 //   [ sw: 16 scales ][ cw: 16 scales ][ weights ]
 //
 // with the scales fp16 where that holds them exactly (Q4_0/1, Q5_0/1, Q8_0)
-// and fp32 otherwise (the K-quants' d * scale products), and the weights
+// and fp32 otherwise (the K-quants' d * scale products); U8_HALVES (Q6_K,
+// alone or mixed in a layer) has a pair per half of 16, fp32:
+//   [ sw lo ][ sw hi ][ cw lo ][ cw hi ][ weights ]
+// and the weights
 //   8-bit, chunk c = 0..7 (64 bytes each):  for n < 16: wq[n, 4c .. 4c+3]
 //   4-bit, chunk c = 0..3 (64 bytes each):  for n < 16, i < 4:
 //        byte = wq[n, 4c + i] | wq[n, 16 + 4c + i] << 4
@@ -64,13 +69,16 @@ constexpr int64_t QK = 32;  // values per block
 constexpr int64_t NG = 16;  // outputs per group
 
 // Record layouts: weight bits x scale width.
-enum Layout : int64_t { U4_F16 = 0, U8_F16 = 1, U4_F32 = 2, U8_F32 = 3 };
+enum Layout : int64_t { U4_F16 = 0, U8_F16 = 1, U4_F32 = 2, U8_F32 = 3, U8_HALVES = 4 };
 enum Isa : int64_t { ISA_AUTO = 0, ISA_SCALAR = 1, ISA_AVX2 = 2, ISA_AVX_VNNI = 3, ISA_AVX512_VNNI = 4 };
 
 constexpr bool four_bit(int64_t l) { return l == U4_F16 || l == U4_F32; }
-constexpr bool f32_scales(int64_t l) { return l == U4_F32 || l == U8_F32; }
+constexpr bool f32_scales(int64_t l) { return l == U4_F32 || l == U8_F32 || l == U8_HALVES; }
+constexpr bool halves(int64_t l) { return l == U8_HALVES; }
 constexpr int64_t scale_bytes(int64_t l) { return f32_scales(l) ? 4 : 2; }
-constexpr int64_t header_bytes(int64_t l) { return 2 * NG * scale_bytes(l); }
+// Scale vectors of 16 per record: (sw, cw), or (sw lo, sw hi, cw lo, cw hi).
+constexpr int64_t scale_sets(int64_t l) { return halves(l) ? 4 : 2; }
+constexpr int64_t header_bytes(int64_t l) { return scale_sets(l) * NG * scale_bytes(l); }
 constexpr int64_t record_bytes(int64_t l) { return header_bytes(l) + (four_bit(l) ? NG * QK / 2 : NG * QK); }
 
 inline float fp16(const uint8_t* p) {
@@ -79,7 +87,7 @@ inline float fp16(const uint8_t* p) {
   return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
 }
 
-// Scale i (< 16) of a record's sw (which = 0) or cw (which = 1) half.
+// Scale i (< 16) of a record's scale vector `which` (< scale_sets).
 inline float record_scale(int64_t layout, const uint8_t* rec, int which, int64_t i) {
   const uint8_t* p = rec + (which * NG + i) * scale_bytes(layout);
   if (!f32_scales(layout)) return fp16(p);
@@ -92,15 +100,15 @@ inline float record_scale(int64_t layout, const uint8_t* rec, int which, int64_t
 // Packing (load time)
 
 at::Tensor q8_pack(const at::Tensor& sw, const at::Tensor& cw, const at::Tensor& wq, int64_t layout) {
-  TORCH_CHECK(layout >= U4_F16 && layout <= U8_F32, "layout must be 0..3");
+  TORCH_CHECK(layout >= U4_F16 && layout <= U8_HALVES, "layout must be 0..4");
   TORCH_CHECK(wq.scalar_type() == at::kByte && wq.dim() == 2 && wq.is_contiguous(), "wq must be contiguous uint8 [N, K]");
   const int64_t N = wq.size(0), K = wq.size(1);
   TORCH_CHECK(K % QK == 0, "K must be a multiple of 32");
-  const int64_t nb = K / QK;
+  const int64_t nb = K / QK, per_block = halves(layout) ? 2 : 1;
   for (const at::Tensor* t : {&sw, &cw})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == N &&
-                    t->size(1) == nb,
-                "sw and cw must be contiguous float32 [N, K/32]");
+                    t->size(1) == nb * per_block,
+                "sw and cw must be contiguous float32 [N, K/32] (K/16 for layout 4)");
   const int64_t groups = (N + NG - 1) / NG, rb = record_bytes(layout), sb = scale_bytes(layout);
   at::Tensor packed = at::zeros({groups * nb * rb}, wq.options());
   const float* swp = sw.data_ptr<float>();
@@ -116,8 +124,12 @@ at::Tensor q8_pack(const at::Tensor& sw, const at::Tensor& cw, const at::Tensor&
         for (int64_t i = 0; i < NG; ++i) {
           const int64_t n = g * NG + i;
           if (n >= N) break;  // padding rows stay zero: they add nothing
-          const float scales[2] = {swp[n * nb + b], cwp[n * nb + b]};
-          for (int which = 0; which < 2; ++which) {
+          float scales[4];
+          for (int h = 0; h < per_block; ++h) {
+            scales[h] = swp[(n * nb + b) * per_block + h];
+            scales[per_block + h] = cwp[(n * nb + b) * per_block + h];
+          }
+          for (int which = 0; which < scale_sets(layout); ++which) {
             uint8_t* p = rec + (which * NG + i) * sb;
             if (f32_scales(layout)) {
               std::memcpy(p, &scales[which], 4);
@@ -147,10 +159,10 @@ at::Tensor q8_pack(const at::Tensor& sw, const at::Tensor& cw, const at::Tensor&
 
 struct QuantizedRows {
   at::Tensor xq, dx, sx;
-  at::Tensor isum;  // [M, K/32] int32: sum(xq) per block
+  at::Tensor sx_lo, sx_hi;  // [M, K/32]: dx * sum(xq) over each half of 16
 };
 
-void quantize_block_scalar(const float* x, int8_t* q, float& d, float& s, int32_t& isum) {
+void quantize_block_scalar(const float* x, int8_t* q, float& d, float& s, int32_t& isum, int32_t& isum_lo) {
   float amax = 0.f;
   for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(x[j]));
   d = amax / 127.f;
@@ -160,6 +172,7 @@ void quantize_block_scalar(const float* x, int8_t* q, float& d, float& s, int32_
     const int v = static_cast<int>(std::nearbyint(x[j] * inv));
     q[j] = static_cast<int8_t>(v);
     sum += v;
+    if (j == QK / 2 - 1) isum_lo = sum;
   }
   isum = sum;
   s = d * static_cast<float>(sum);
@@ -167,7 +180,7 @@ void quantize_block_scalar(const float* x, int8_t* q, float& d, float& s, int32_
 
 #ifdef SLUICE_X86
 __attribute__((target("avx512f,avx512bw,avx512vl")))
-void quantize_block_avx512(const float* x, int8_t* q, float& d, float& s, int32_t& isum) {
+void quantize_block_avx512(const float* x, int8_t* q, float& d, float& s, int32_t& isum, int32_t& isum_lo) {
   const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
   d = amax / 127.f;
@@ -177,7 +190,8 @@ void quantize_block_avx512(const float* x, int8_t* q, float& d, float& s, int32_
   const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
-  isum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+  isum_lo = _mm512_reduce_add_epi32(qa);
+  isum = isum_lo + _mm512_reduce_add_epi32(qb);
   s = d * static_cast<float>(isum);
 }
 #endif
@@ -185,24 +199,27 @@ void quantize_block_avx512(const float* x, int8_t* q, float& d, float& s, int32_
 QuantizedRows quantize_rows(const at::Tensor& x, bool avx512) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
   QuantizedRows r{at::empty({M, K}, x.options().dtype(at::kChar)), at::empty({M, nb}, x.options()),
-                  at::empty({M, nb}, x.options()), at::empty({M, nb}, x.options().dtype(at::kInt))};
+                  at::empty({M, nb}, x.options()), at::empty({M, nb}, x.options()), at::empty({M, nb}, x.options())};
   const float* xp = x.data_ptr<float>();
   int8_t* qp = r.xq.data_ptr<int8_t>();
   float* dp = r.dx.data_ptr<float>();
   float* sp = r.sx.data_ptr<float>();
-  int32_t* ip = r.isum.data_ptr<int32_t>();
+  float* lo = r.sx_lo.data_ptr<float>();
+  float* hi = r.sx_hi.data_ptr<float>();
   const int64_t xs = x.stride(0);
   at::parallel_for(0, M * nb, 64, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t m = i / nb, b = i % nb;
       const float* src = xp + m * xs + b * QK;
+      int32_t isum, isum_lo;
 #ifdef SLUICE_X86
-      if (avx512) {
-        quantize_block_avx512(src, qp + i * QK, dp[i], sp[i], ip[i]);
-        continue;
-      }
+      if (avx512)
+        quantize_block_avx512(src, qp + i * QK, dp[i], sp[i], isum, isum_lo);
+      else
 #endif
-      quantize_block_scalar(src, qp + i * QK, dp[i], sp[i], ip[i]);
+        quantize_block_scalar(src, qp + i * QK, dp[i], sp[i], isum, isum_lo);
+      lo[i] = dp[i] * static_cast<float>(isum_lo);
+      hi[i] = dp[i] * static_cast<float>(isum - isum_lo);
     }
   });
   return r;
@@ -216,6 +233,8 @@ struct Args {
   const int8_t* xq;
   const float* dx;
   const float* sx;
+  const float* sx_lo;
+  const float* sx_hi;
   float* y;
   int64_t K, nb, N, format;
 };
@@ -239,13 +258,20 @@ void group_scalar(const Args& a, int64_t g, int64_t r0, int64_t R) {
             wq[16 + c * 4 + k] = byte >> 4;
           }
       }
-      const float sw = record_scale(a.format, rec, 0, i), cw = record_scale(a.format, rec, 1, i);
       for (int64_t r = 0; r < R; ++r) {
         const int8_t* xq = a.xq + (r0 + r) * a.K + b * QK;
-        int32_t dot = 0;
-        for (int j = 0; j < QK; ++j) dot += static_cast<int32_t>(wq[j]) * xq[j];
+        int32_t dot[2] = {0, 0};
+        for (int j = 0; j < QK; ++j) dot[j / 16] += static_cast<int32_t>(wq[j]) * xq[j];
         const int64_t xi = (r0 + r) * a.nb + b;
-        acc[r][i] += static_cast<float>(dot) * (sw * a.dx[xi]) + cw * a.sx[xi];
+        if (halves(a.format)) {
+          const float sx[2] = {a.sx_lo[xi], a.sx_hi[xi]};
+          for (int h = 0; h < 2; ++h)
+            acc[r][i] += static_cast<float>(dot[h]) * (record_scale(a.format, rec, h, i) * a.dx[xi]) +
+                         record_scale(a.format, rec, 2 + h, i) * sx[h];
+        } else {
+          const float sw = record_scale(a.format, rec, 0, i), cw = record_scale(a.format, rec, 1, i);
+          acc[r][i] += static_cast<float>(dot[0] + dot[1]) * (sw * a.dx[xi]) + cw * a.sx[xi];
+        }
       }
     }
   }
@@ -265,9 +291,13 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void group_
   const int64_t xq_row = a.K / 4;
   const float* dx = a.dx + r0 * a.nb;
   const float* sx = a.sx + r0 * a.nb;
+  const float* sx_lo = a.sx_lo + r0 * a.nb;
+  const float* sx_hi = a.sx_hi + r0 * a.nb;
   for (int64_t b = 0; b < a.nb; ++b, rec += rb) {
     __m512 sw, cw;
-    if constexpr (f32_scales(F)) {
+    if constexpr (halves(F)) {
+      sw = cw = _mm512_setzero_ps();  // read per half below
+    } else if constexpr (f32_scales(F)) {
       sw = _mm512_loadu_ps(rec);
       cw = _mm512_loadu_ps(rec + 64);
     } else {
@@ -285,6 +315,24 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void group_
         w[c] = _mm512_and_si512(v, mask);
         w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
       }
+    }
+    if constexpr (halves(F)) {
+      const float* scales = reinterpret_cast<const float*>(rec);
+      for (int r = 0; r < R; ++r) {
+        const int32_t* xr = xq + r * xq_row + b * 8;
+        __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
+        for (int c = 0; c < 4; ++c) {  // chunks 0-3: the low half of 16, 4-7: the high one
+          d0 = _mm512_dpbusd_epi32(d0, w[c], _mm512_set1_epi32(xr[c]));
+          d1 = _mm512_dpbusd_epi32(d1, w[c + 4], _mm512_set1_epi32(xr[c + 4]));
+        }
+        const int64_t xi = r * a.nb + b;
+        const __m512 scale = _mm512_set1_ps(dx[xi]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_mul_ps(_mm512_loadu_ps(scales), scale), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_mul_ps(_mm512_loadu_ps(scales + 16), scale), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(scales + 32), _mm512_set1_ps(sx_lo[xi]), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(scales + 48), _mm512_set1_ps(sx_hi[xi]), acc[r]);
+      }
+      continue;
     }
     for (int r = 0; r < R; ++r) {
       const int32_t* xr = xq + r * xq_row + b * 8;
@@ -332,10 +380,14 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_avx2(const Args& a, 
   const uint8_t* rec = a.packed + g * a.nb * rb;
   const float* dx = a.dx + r0 * a.nb;
   const float* sx = a.sx + r0 * a.nb;
+  const float* sx_lo = a.sx_lo + r0 * a.nb;
+  const float* sx_hi = a.sx_hi + r0 * a.nb;
   for (int64_t b = 0; b < a.nb; ++b, rec += rb) {
     __m256 sw[2], cw[2];
     for (int h = 0; h < 2; ++h) {
-      if constexpr (f32_scales(F)) {
+      if constexpr (halves(F)) {
+        sw[h] = cw[h] = _mm256_setzero_ps();  // read per half of K below
+      } else if constexpr (f32_scales(F)) {
         sw[h] = _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 32 * h));
         cw[h] = _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 64 + 32 * h));
       } else {
@@ -356,6 +408,30 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_avx2(const Args& a, 
           w[c][h] = _mm256_and_si256(v, mask);
           w[c + 4][h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
         }
+    }
+    if constexpr (halves(F)) {
+      // h: which 8 of the 16 outputs; k: which half of the 32 values.
+      const float* scales = reinterpret_cast<const float*>(rec);
+      for (int r = 0; r < R; ++r) {
+        const int32_t* xr = reinterpret_cast<const int32_t*>(a.xq + (r0 + r) * a.K + b * QK);
+        __m256i d[2][2] = {{_mm256_setzero_si256(), _mm256_setzero_si256()},
+                           {_mm256_setzero_si256(), _mm256_setzero_si256()}};
+        for (int c = 0; c < 8; ++c) {
+          const __m256i xb = _mm256_set1_epi32(xr[c]);
+          for (int h = 0; h < 2; ++h) d[c / 4][h] = dot_u8s8<VNNI>(d[c / 4][h], w[c][h], xb);
+        }
+        const int64_t xi = r * a.nb + b;
+        const __m256 scale = _mm256_set1_ps(dx[xi]);
+        const __m256 shift[2] = {_mm256_set1_ps(sx_lo[xi]), _mm256_set1_ps(sx_hi[xi])};
+        for (int k = 0; k < 2; ++k)
+          for (int h = 0; h < 2; ++h) {
+            const __m256 swk = _mm256_loadu_ps(scales + 16 * k + 8 * h);
+            const __m256 cwk = _mm256_loadu_ps(scales + 32 + 16 * k + 8 * h);
+            acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[k][h]), _mm256_mul_ps(swk, scale), acc[r][h]);
+            acc[r][h] = _mm256_fmadd_ps(cwk, shift[k], acc[r][h]);
+          }
+      }
+      continue;
     }
     for (int r = 0; r < R; ++r) {
       const int32_t* xr = reinterpret_cast<const int32_t*>(a.xq + (r0 + r) * a.K + b * QK);
@@ -451,7 +527,7 @@ Isa best_isa() {
 namespace sluice_cpu {
 
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t N, int64_t isa_code) {
-  TORCH_CHECK(format >= U4_F16 && format <= U8_F32, "format must be a record layout, 0..3");
+  TORCH_CHECK(format >= U4_F16 && format <= U8_HALVES, "format must be a record layout, 0..4");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, "x must be float32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % QK == 0, "K must be a multiple of 32");
@@ -466,7 +542,7 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t form
   if (M == 0 || N == 0) return y;
   const QuantizedRows q = quantize_rows(x, isa == ISA_AVX512_VNNI);
   const Args a{packed.data_ptr<uint8_t>(), q.xq.data_ptr<int8_t>(), q.dx.data_ptr<float>(), q.sx.data_ptr<float>(),
-               y.data_ptr<float>(), K, nb, N, format};
+               q.sx_lo.data_ptr<float>(), q.sx_hi.data_ptr<float>(), y.data_ptr<float>(), K, nb, N, format};
   // Work items are (group, row tile): few rows split over outputs only; many
   // rows also over row tiles so each item's weights are read once per tile.
   const int64_t rows_per_item = 64;
@@ -479,12 +555,15 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t form
       sub.xq = a.xq + r * K;
       sub.dx = a.dx + r * nb;
       sub.sx = a.sx + r * nb;
+      sub.sx_lo = a.sx_lo + r * nb;
+      sub.sx_hi = a.sx_hi + r * nb;
       sub.y = a.y + r * N;
       switch (format) {
         case U4_F16: run_group<U4_F16>(isa, sub, g, m); break;
         case U8_F16: run_group<U8_F16>(isa, sub, g, m); break;
         case U4_F32: run_group<U4_F32>(isa, sub, g, m); break;
-        default: run_group<U8_F32>(isa, sub, g, m); break;
+        case U8_F32: run_group<U8_F32>(isa, sub, g, m); break;
+        default: run_group<U8_HALVES>(isa, sub, g, m); break;
       }
     }
   });

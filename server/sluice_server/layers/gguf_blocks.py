@@ -1,10 +1,10 @@
 """GGUF block formats as the int8 CPU kernel reads them.
 
-Every format below is, for each run of 32 weights of a row,
+Every format below is, for each run of 16 weights of a row,
 
-    w_j = sw * wq_j + cw        wq_j unsigned, 4 or 8 bits
+    w_j = sw * wq_j + cw        wq_j unsigned, at most 8 bits
 
-(`unpack` returns sw, cw [rows, K/32] float32 and wq [rows, K] uint8), which
+(`unpack` returns sw, cw [rows, K/16] float32 and wq [rows, K] uint8), which
 is the form csrc/cpu_q8_linear.cpp multiplies with int8 activations:
 
     type   bytes / weights   per 32 weights                 sw        cw           wq
@@ -17,15 +17,17 @@ is the form csrc/cpu_q8_linear.cpp multiplies with int8 activations:
                              (sc, m) pairs, nibbles
     Q5_K   176 / 256         as Q4_K, plus 32 bytes of      d * sc    -dmin * m    nibble + 16 bit
                              high bits
+    Q6_K   210 / 256         low nibbles, 2 high bits,      d * sc    -32 d * sc   6 bits
+                             an int8 scale per 16, d
 
 (d, m, dmin are fp16.) sw * wq + cw is the gguf package's dequantized weight
-(server/kernel_tests/test_gguf_blocks.py checks every type against it).
-Q6_K, whose 16-weight sub-blocks have scales of their own, and the other
-types are not read here: their layers keep dense weights.
+bit for bit (server/kernel_tests/test_cpu_q8_linear.py checks every type).
+All but Q6_K have one (sw, cw) per 32 weights.
 
-`pack` chooses the record layout of a layer: 4-bit weights if every wq fits
-in 4 bits, and fp16 scales where fp16 holds every sw and cw exactly (all the
-32-weight formats), fp32 otherwise (the K-quants' d * sc products).
+`layout` chooses the record layout of a layer: one scale pair per 32
+weights where its types have that (4-bit weights if every wq fits in 4 bits,
+fp16 scales where fp16 holds every sw and cw exactly, as for all the
+32-weight types, else fp32), else a pair per 16 (Q6_K, alone or mixed).
 """
 
 from __future__ import annotations
@@ -38,15 +40,17 @@ import torch
 QK = 32
 # 4-bit weights; formats of the first set only are read with 4-bit records.
 FOUR_BIT = {"Q4_0", "Q4_1", "Q4_K"}
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176}
-BLOCK_VALUES = {"Q4_K": 256, "Q5_K": 256}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+BLOCK_VALUES = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
+# Record layouts of csrc/cpu_q8_linear.cpp.
+U4_F16, U8_F16, U4_F32, U8_F32, U8_HALVES = range(5)
 FORMATS = frozenset(BLOCK_BYTES)
 
 
 @dataclass
 class Records:
-    sw: np.ndarray  # float32 [rows, K/32]
-    cw: np.ndarray  # float32 [rows, K/32]
+    sw: np.ndarray  # float32 [rows, K/16]
+    cw: np.ndarray  # float32 [rows, K/16]
     wq: np.ndarray  # uint8 [rows, K]
 
     def take(self, order) -> "Records":
@@ -55,7 +59,7 @@ class Records:
     def expand(self) -> np.ndarray:
         """The float32 weight [rows, K] the records stand for."""
         rows, k = self.wq.shape
-        w = self.wq.reshape(rows, k // QK, QK).astype(np.float32) * self.sw[..., None] + self.cw[..., None]
+        w = self.wq.reshape(rows, k // 16, 16).astype(np.float32) * self.sw[..., None] + self.cw[..., None]
         return w.reshape(rows, k)
 
 
@@ -89,6 +93,8 @@ def unpack(type_name: str, blocks: np.ndarray, k: int) -> Records:
     rows = blocks.shape[0]
     per = BLOCK_VALUES.get(type_name, QK)
     raw = np.asarray(blocks, dtype=np.uint8).reshape(rows, k // per, BLOCK_BYTES[type_name])
+    if type_name == "Q6_K":
+        return _unpack_q6_k(raw, rows, k)
     if per == QK:
         d = _fp16(raw, 0)
         if type_name == "Q8_0":
@@ -103,18 +109,37 @@ def unpack(type_name: str, blocks: np.ndarray, k: int) -> Records:
             high = _high_bits(raw[..., start : start + 4], 32)
             wq = _nibbles(raw[..., start + 4 : start + 20]) | (high << 4)
             sw, cw = d, (-16.0 * d if type_name == "Q5_0" else _fp16(raw, 2))
-        return Records(sw[..., 0], cw[..., 0], wq.reshape(rows, k))
-    # K-quants: super-blocks of 256 = 8 sub-blocks of 32.
-    d, dmin = _fp16(raw, 0), _fp16(raw, 2)
-    sc, m = _k_scales(raw[..., 4:16])
-    qs = raw[..., -128:].reshape(rows, -1, 4, 32)  # 4 chunks of 32 bytes: sub-blocks 2c (low), 2c + 1 (high)
-    wq = np.stack([qs & 15, qs >> 4], axis=3).reshape(rows, -1, 8, 32)
-    if type_name == "Q5_K":
-        high = _high_bits(raw[..., 16:48], 256).reshape(rows, -1, 32, 8)  # [.., l, j]: bit j of qh[l]
-        wq = wq | (high.transpose(0, 1, 3, 2) << 4)
-    sw = (d * sc).reshape(rows, -1)
-    cw = (-(dmin * m)).reshape(rows, -1)
+        sw, cw = sw[..., 0], cw[..., 0]
+    else:
+        # Q4_K, Q5_K: super-blocks of 256 = 8 sub-blocks of 32.
+        d, dmin = _fp16(raw, 0), _fp16(raw, 2)
+        sc, m = _k_scales(raw[..., 4:16])
+        qs = raw[..., -128:].reshape(rows, -1, 4, 32)  # 4 chunks of 32 bytes: sub-blocks 2c (low), 2c + 1 (high)
+        wq = np.stack([qs & 15, qs >> 4], axis=3).reshape(rows, -1, 8, 32)
+        if type_name == "Q5_K":
+            high = _high_bits(raw[..., 16:48], 256).reshape(rows, -1, 32, 8)  # [.., l, j]: bit j of qh[l]
+            wq = wq | (high.transpose(0, 1, 3, 2) << 4)
+        sw, cw = d * sc, -(dmin * m)
+    # One pair per 32 weights -> the same pair for both halves of 16.
+    sw, cw = (np.repeat(a.reshape(rows, -1), 2, axis=1) for a in (sw, cw))
     return Records(sw, cw, wq.reshape(rows, k).astype(np.uint8))
+
+
+def _unpack_q6_k(raw: np.ndarray, rows: int, k: int) -> Records:
+    """Q6_K: [ql: 128 | qh: 64 | scales: 16 int8 | d: fp16] per 256 weights.
+    In each half of 128 (ql 64 bytes, qh 32), value 32 i + l (i < 4, l < 32)
+    is a nibble of ql (l, low for i = 0; l + 32, low, i = 1; l, high, i = 2;
+    l + 32, high, i = 3) with bits 2i, 2i + 1 of qh[l] above it; the 16
+    weights of group g have scale sc[g]; w = d * sc * (q - 32)."""
+    ql = raw[..., 0:128].reshape(rows, -1, 2, 2, 32)  # [half, 32-byte run, l]
+    qh = raw[..., 128:192].reshape(rows, -1, 2, 1, 32)
+    low = np.stack([ql & 15, ql >> 4], axis=3).reshape(rows, -1, 2, 4, 32)  # i = 0..3: runs (0 lo, 1 lo, 0 hi, 1 hi)
+    shifts = (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 1, 4, 1)
+    high = (qh >> shifts) & 3
+    wq = (low | (high << 4)).reshape(rows, k)
+    sc = raw[..., 192:208].view(np.int8).astype(np.float32)
+    sw = (_fp16(raw, 208) * sc).reshape(rows, -1)
+    return Records(sw, -32.0 * sw, wq.astype(np.uint8))
 
 
 def _fits_fp16(a: np.ndarray) -> bool:
@@ -122,18 +147,23 @@ def _fits_fp16(a: np.ndarray) -> bool:
 
 
 def layout(types: set[str], records: Records) -> int:
-    """The record layout code of csrc/cpu_q8_linear.cpp for a layer made of
-    `types`: 4-bit weights where all types have them, fp16 scales where exact."""
+    """The record layout of csrc/cpu_q8_linear.cpp for a layer made of
+    `types` (module docstring)."""
+    if not (np.array_equal(records.sw[:, ::2], records.sw[:, 1::2])
+            and np.array_equal(records.cw[:, ::2], records.cw[:, 1::2])):
+        return U8_HALVES
     four = types <= FOUR_BIT
     f32 = not (_fits_fp16(records.sw) and _fits_fp16(records.cw))
-    return (0 if four else 1) + (2 if f32 else 0)
+    return (U4_F32 if four else U8_F32) if f32 else (U4_F16 if four else U8_F16)
 
 
 def pack(records: Records, layout_code: int) -> torch.Tensor:
-    """The packed weight q8_linear reads (see csrc/cpu_q8_linear.cpp)."""
+    """The packed weight q8_linear reads (see csrc/cpu_q8_linear.cpp): one
+    scale pair per 32 weights, or per 16 for U8_HALVES."""
+    step = 1 if layout_code == U8_HALVES else 2
     return torch.ops.sluice_cpu.q8_pack(
-        torch.from_numpy(np.ascontiguousarray(records.sw, dtype=np.float32)),
-        torch.from_numpy(np.ascontiguousarray(records.cw, dtype=np.float32)),
+        torch.from_numpy(np.ascontiguousarray(records.sw[:, ::step], dtype=np.float32)),
+        torch.from_numpy(np.ascontiguousarray(records.cw[:, ::step], dtype=np.float32)),
         torch.from_numpy(np.ascontiguousarray(records.wq, dtype=np.uint8)),
         layout_code,
     )

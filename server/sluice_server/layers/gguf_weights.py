@@ -8,8 +8,9 @@ float32's 4. So, for each linear layer whose GGUF tensors are in a block
 format the C++ kernels read, the blocks are attached too, and matmuls of at
 most `max_rows` rows run on them; larger ones (prefill, big decode batches)
 keep the packed dense weights (layers.linear). The int8 kernel reads Q4_0,
-Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K, mixed within a layer (the types of
-Q4_K_M / Q5_K_M files but Q6_K; gguf_blocks.py); the exact one Q4_1 and Q8_0.
+Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K, mixed within a layer (every
+type of the Q4_K_M / Q5_K_M / Q6_K files; gguf_blocks.py); the exact one
+Q4_1 and Q8_0.
 
 Two arithmetics on the blocks (`QuantizedWeight.int8`):
 
