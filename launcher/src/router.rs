@@ -77,6 +77,7 @@ pub fn command(router: &Path, args: &Args, model_dir: &Path, model_name: &str) -
     let optional_strings = [
         ("--served-model-name", &args.served_model_name),
         ("--chat-template", &args.chat_template),
+        ("--tool-call-parser", &args.tool_call_parser),
         ("--api-key", &args.api_key),
         ("--otlp-endpoint", &args.otlp_endpoint),
         ("--otlp-service-name", &args.otlp_service_name),
@@ -177,8 +178,8 @@ mod tests {
         let got = argv(&[
             "--max-input-tokens", "10", "--max-total-tokens", "20", "--max-batch-prefill-tokens", "30",
             "--max-batch-total-tokens", "40", "--max-batch-size", "5", "--served-model-name", "m",
-            "--chat-template", "{{x}}", "--api-key", "k", "--otlp-endpoint", "http://o", "--otlp-service-name", "s",
-            "--cors-allow-origin", "http://a,http://b", "--no-prefix-caching", "--json-output", "--hourly-cost", "2.75",
+            "--chat-template", "{{x}}", "--tool-call-parser", "mistral", "--api-key", "k", "--otlp-endpoint",
+            "http://o", "--otlp-service-name", "s", "--cors-allow-origin", "http://a,http://b", "--no-prefix-caching", "--json-output", "--hourly-cost", "2.75",
             "--cost-window-secs", "30",
         ]);
         let tail = &got[20..];
@@ -188,8 +189,8 @@ mod tests {
                 "--max-input-tokens", "10", "--max-total-tokens", "20", "--max-batch-prefill-tokens", "30",
                 "--max-batch-total-tokens", "40", "--max-batch-size", "5", "--hourly-cost", "2.75",
                 "--cost-window-secs", "30", "--served-model-name", "m",
-                "--chat-template", "{{x}}", "--api-key", "k", "--otlp-endpoint", "http://o",
-                "--otlp-service-name", "s", "--cors-allow-origin", "http://a", "--cors-allow-origin", "http://b",
+                "--chat-template", "{{x}}", "--tool-call-parser", "mistral", "--api-key", "k",
+                "--otlp-endpoint", "http://o", "--otlp-service-name", "s", "--cors-allow-origin", "http://a", "--cors-allow-origin", "http://b",
                 "--no-prefix-caching", "--json-output",
             ]
         );

@@ -3,7 +3,10 @@
 //! `lstrip_blocks` on, Python string methods (`.strip()`, `.upper()`, ...)
 //! through minijinja-contrib's pycompat, `raise_exception`, `strftime_now`,
 //! a `tojson` that does not HTML-escape, and the variables `messages`,
-//! `add_generation_prompt`, `bos_token`, `eos_token`.
+//! `add_generation_prompt`, `bos_token`, `eos_token` and, for tool calling,
+//! `tools` (OpenAI's list of `{"type": "function", "function": {...}}`).
+//! Messages carry `tool_calls` (arguments as objects, as transformers passes
+//! them), `tool_call_id` and `name` when the client sent them.
 //!
 //! Tested against renderings by `transformers` itself:
 //! router/fixtures/chat_templates.json, made by
@@ -29,14 +32,31 @@ pub enum ChatTemplateError {
 
 /// One chat message as templates see it: content already flattened to a
 /// string (OpenAI's list of `{"type": "text"}` parts joined by newlines).
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, serde::Deserialize, PartialEq)]
 pub struct TemplateMessage {
     pub role: String,
     pub content: String,
+    /// An assistant turn's calls: `{"id", "type": "function", "function":
+    /// {"name", "arguments"}}` with the arguments as a JSON value.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    /// A tool result: the call it answers.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub tool_call_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub name: Option<String>,
+}
+
+impl TemplateMessage {
+    pub fn text(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Self { role: role.into(), content: content.into(), ..Default::default() }
+    }
 }
 
 pub struct ChatTemplate {
     env: Environment<'static>,
+    source: String,
     bos_token: Option<String>,
     eos_token: Option<String>,
 }
@@ -56,10 +76,11 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
-        env.add_template_owned(TEMPLATE_NAME, source)
+        env.add_template_owned(TEMPLATE_NAME, source.clone())
             .map_err(|e| ChatTemplateError::Invalid(format!("{e:#}")))?;
         Ok(Self {
             env,
+            source,
             bos_token,
             eos_token,
         })
@@ -112,6 +133,28 @@ impl ChatTemplate {
         messages: &[TemplateMessage],
         add_generation_prompt: bool,
     ) -> Result<String, ChatTemplateError> {
+        self.apply_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// Whether the template renders a `tools` variable (Qwen2.5's, Llama
+    /// 3.1's, Mistral's do; SmolLM2's does not).
+    pub fn supports_tools(&self) -> bool {
+        self.env
+            .get_template(TEMPLATE_NAME)
+            .is_ok_and(|t| t.undeclared_variables(false).contains("tools"))
+    }
+
+    /// The template's source (the tool-call parser defaults from it).
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    pub fn apply_with_tools(
+        &self,
+        messages: &[TemplateMessage],
+        tools: Option<&[serde_json::Value]>,
+        add_generation_prompt: bool,
+    ) -> Result<String, ChatTemplateError> {
         let template = self
             .env
             .get_template(TEMPLATE_NAME)
@@ -119,6 +162,7 @@ impl ChatTemplate {
         template
             .render(minijinja::context! {
                 messages => messages,
+                tools => tools,
                 add_generation_prompt => add_generation_prompt,
                 bos_token => self.bos_token,
                 eos_token => self.eos_token,
@@ -290,14 +334,8 @@ mod tests {
             )
             .unwrap();
             for case in &fixture.cases {
-                let messages: Vec<TemplateMessage> = case
-                    .messages
-                    .iter()
-                    .map(|m| TemplateMessage {
-                        role: m.role.clone(),
-                        content: m.content.clone(),
-                    })
-                    .collect();
+                let messages: Vec<TemplateMessage> =
+                    case.messages.iter().map(|m| TemplateMessage::text(&m.role, &m.content)).collect();
                 let got = template.apply(&messages, case.add_generation_prompt);
                 match (&case.ok, &case.error, got) {
                     (Some(expected), _, Ok(got)) => assert_eq!(&got, expected, "{}", fixture.name),
@@ -310,6 +348,37 @@ mod tests {
             }
         }
         assert!(checked >= 24);
+    }
+
+    #[derive(serde::Deserialize)]
+    struct ToolsFixture {
+        template: String,
+        eos_token: Option<String>,
+        cases: Vec<ToolsCase>,
+    }
+
+    #[derive(serde::Deserialize)]
+    struct ToolsCase {
+        messages: Vec<TemplateMessage>,
+        tools: Option<Vec<serde_json::Value>>,
+        add_generation_prompt: bool,
+        ok: String,
+    }
+
+    /// Tools, assistant tool calls and tool results render as transformers
+    /// renders them (router/fixtures/chat_templates_tools.json).
+    #[test]
+    fn tools_render_like_transformers() {
+        let fixture: ToolsFixture = serde_json::from_str(include_str!("../fixtures/chat_templates_tools.json")).unwrap();
+        let template = ChatTemplate::new(fixture.template, None, fixture.eos_token).unwrap();
+        assert!(template.supports_tools());
+        for case in &fixture.cases {
+            let got = template.apply_with_tools(&case.messages, case.tools.as_deref(), case.add_generation_prompt);
+            assert_eq!(got.unwrap(), case.ok);
+        }
+        assert!(fixture.cases.iter().any(|c| c.messages.iter().any(|m| m.tool_calls.is_some())));
+        let plain = ChatTemplate::new("{{ messages[0].content }}".into(), None, None).unwrap();
+        assert!(!plain.supports_tools());
     }
 
     #[test]

@@ -22,11 +22,13 @@ use clap::Parser;
 use crate::chat_template::ChatTemplate;
 use crate::client::ShardGroup;
 use crate::config::RouterConfig;
+use crate::grammar::GrammarCompiler;
 use crate::http::{self, AppState, HttpOptions, Info};
 use crate::infer::{Infer, ShardInfo};
 use crate::scheduler::{self, SchedulerConfig};
 use crate::tokenizer::Tokenizer;
 use crate::validation::{GenerationDefaults, RequestLimits, Validation};
+use crate::tool_calls::{ToolFormat, ToolParserKind};
 
 /// How long to keep retrying the first connection to rank 0 (the launcher
 /// may start the router while the shard is still binding its socket).
@@ -121,6 +123,14 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
     let limits = config
         .resolve_limits(shard_info.max_position_embeddings)
         .map_err(|e| e.to_string())?;
+    // llguidance's token trie takes a second or more: built while the
+    // shards warm up.
+    let grammar_build = {
+        let tokenizer = files.tokenizer.clone();
+        let vocab_size = shard_info.vocab_size.max(tokenizer.vocab_size());
+        let eos = shard_info.eos_token_ids.clone();
+        tokio::task::spawn_blocking(move || GrammarCompiler::new(&tokenizer, vocab_size, &eos))
+    };
     tracing::info!(?limits, "warming up the shards");
     let num_blocks = shards
         .warmup(limits.max_batch_prefill_tokens, limits.max_batch_size, limits.max_total_tokens)
@@ -165,6 +175,22 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
     let infer = scheduler::spawn(shards, scheduler_config, info.clone());
 
     let vocab_size = if info.vocab_size > 0 { info.vocab_size } else { files.tokenizer.vocab_size() };
+    let grammar = match grammar_build.await {
+        Ok(Ok(compiler)) => Some(Arc::new(compiler)),
+        Ok(Err(e)) => {
+            tracing::warn!("structured output and tool calling are off: {e}");
+            None
+        }
+        Err(e) => {
+            tracing::warn!("structured output and tool calling are off: {e}");
+            None
+        }
+    };
+    let tool_parser = config.tool_call_parser.unwrap_or_else(|| {
+        files.chat_template.as_ref().map_or(ToolParserKind::Hermes, |t| ToolParserKind::from_template(t.source()))
+    });
+    tracing::info!(tool_call_parser = tool_parser.name(), "tool calls");
+    let tool_format = ToolFormat::new(tool_parser, &files.tokenizer);
     let state = Arc::new(AppState {
         infer: infer.clone(),
         validation: Validation {
@@ -180,6 +206,8 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
             vocab_size,
             defaults: files.defaults,
             model_names: vec![config.served_model_name().to_string(), config.model_id.clone()],
+            grammar,
+            tool_format,
         },
         info: Info {
             model_id: config.model_id.clone(),

@@ -58,6 +58,10 @@ pub struct RouterConfig {
     /// A chat template file, or the template itself; overrides the model's.
     #[arg(long, env = "SLUICE_CHAT_TEMPLATE")]
     pub chat_template: Option<String>,
+    /// How the model writes tool calls (hermes, llama3_json, mistral).
+    /// Default: from the chat template; hermes when it does not say.
+    #[arg(long, env = "TOOL_CALL_PARSER", value_enum)]
+    pub tool_call_parser: Option<crate::tool_calls::ToolParserKind>,
     /// Require `Authorization: Bearer KEY` (not on /health and /ready).
     #[arg(long, env = "API_KEY")]
     pub api_key: Option<String>,

@@ -70,6 +70,8 @@ pub struct ValidRequest {
     pub top_n_tokens: u32,
     /// Return prompt logprobs (TGI `decoder_input_details`, OpenAI `echo`).
     pub prompt_logprobs: bool,
+    /// The output constraint (structured output, tool calls), compiled.
+    pub grammar: Option<crate::grammar::CompiledGrammar>,
     /// When the HTTP request arrived (queue-time metrics).
     pub arrived: Instant,
 }

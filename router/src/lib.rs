@@ -8,7 +8,10 @@
 //!    streamed results, usage); `http::error` maps every error to HTTP.
 //! 2. `validation`  - every check on client input: parses parameters and
 //!    prompts into a [`validation::Validated`] request; owns the tokenizer
-//!    (`tokenizer`) and chat templates (`chat_template`).
+//!    (`tokenizer`), chat templates (`chat_template`) and output constraints:
+//!    `grammar` compiles them with llguidance (a bad one is a 400 here),
+//!    `tool_calls` turns declared tools into one and, back in `http`, parses
+//!    the calls out of the text.
 //! 3. `infer`       - the contract between HTTP and the scheduler: handlers
 //!    submit a `ValidRequest` and get a stream of events back (dropping it
 //!    cancels the request); the value types both sides share.

@@ -7,15 +7,22 @@
 //! enum, [`ValidationError`], mapped to HTTP in `http::error`.
 //!
 //! Order of the checks, so that a request with several faults always gets
-//! the same answer: the model name (the handler asks first), the request's
-//! shape (`n`, `best_of`, `grammar`, `top_logprobs` without `logprobs`, a
-//! TGI temperature <= 0), the prompt (empty, unknown tokens, too long), then
-//! lengths and every sampling range.
+//! the same answer: the model name (the handler asks first), the tools
+//! ([`Validation::tools`], chat only), the request's shape (`n`, `best_of`,
+//! `top_logprobs` without `logprobs`, a TGI temperature <= 0, then the
+//! output constraint, compiled), the prompt (empty, unknown tokens, too
+//! long), then lengths and every sampling range.
+//!
+//! Output constraints arrive as an API-neutral [`Constraint`] (each API's
+//! spelling is read by its handler: `http::openai::structured`,
+//! `http::tgi`); compiling it against the tokenizer is the check.
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use crate::chat_template::{ChatTemplate, ChatTemplateError, TemplateMessage};
+use crate::grammar::{CompiledGrammar, Constraint, GrammarCompiler};
+use crate::tool_calls::{FunctionDefinition, ToolChoice, ToolFormat};
 use crate::infer::{SamplingParameters, ValidRequest};
 use crate::tokenizer::Tokenizer;
 
@@ -44,6 +51,9 @@ pub enum ValidationError {
     ChatTemplate(String),
     #[error("`{field}`: {message}")]
     Unsupported { field: String, message: String },
+    /// A schema, regex, grammar or tool definition that does not compile.
+    #[error("`{field}`: {message}")]
+    Grammar { field: String, message: String },
     #[error("tokenization failed: {0}")]
     Tokenizer(String),
 }
@@ -58,7 +68,8 @@ impl ValidationError {
             | Self::InputTooLong { field, .. }
             | Self::TotalTooLong { field, .. }
             | Self::UnknownToken { field, .. }
-            | Self::Unsupported { field, .. } => Some(field),
+            | Self::Unsupported { field, .. }
+            | Self::Grammar { field, .. } => Some(field),
             Self::TooManyStops { .. } => Some("stop"),
             Self::ModelNotFound(_) => Some("model"),
             Self::NoChatTemplate | Self::ChatTemplate(_) => Some("messages"),
@@ -126,15 +137,12 @@ pub struct GenerateParameters {
     /// The API's name for `max_new_tokens` ("max_tokens", ...).
     pub max_new_tokens_field: &'static str,
     /// Prefix of the fields an API nests (TGI's `parameters.`), for the
-    /// errors about `best_of` and `grammar`.
+    /// error about `best_of`.
     pub field_prefix: &'static str,
     /// Independent choices per prompt (OpenAI `n`), in [1, max_n].
     pub n: u32,
     /// Candidates per choice; only 1 is supported.
     pub best_of: Option<u32>,
-    /// A grammar the output must follow (TGI `grammar`, null already
-    /// dropped); not supported yet.
-    pub grammar: Option<serde_json::Value>,
     /// As the API's handler resolved it; see [`Decoding`]. None: greedy.
     pub temperature: Option<f32>,
     pub decoding: Decoding,
@@ -162,6 +170,9 @@ pub struct GenerateParameters {
     pub min_tokens: u32,
     /// TGI: keep only the last `truncate` prompt tokens.
     pub truncate: Option<u32>,
+    /// The output constraint, and the request field it came from (named in
+    /// the 400 when it does not compile).
+    pub constraint: Option<(String, Constraint)>,
 }
 
 impl Default for GenerateParameters {
@@ -172,7 +183,6 @@ impl Default for GenerateParameters {
             field_prefix: "",
             n: 1,
             best_of: None,
-            grammar: None,
             temperature: None,
             decoding: Decoding::ByTemperature,
             max_temperature: f32::MAX,
@@ -194,8 +204,57 @@ impl Default for GenerateParameters {
             ignore_eos: false,
             min_tokens: 0,
             truncate: None,
+            constraint: None,
         }
     }
+}
+
+/// The tools of a chat request as its handler read them (OpenAI `tools`,
+/// `tool_choice`, `parallel_tool_calls`); [`Validation::tools`] checks them.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ToolRequest {
+    pub functions: Vec<FunctionDefinition>,
+    /// `None`: not given (`auto` with tools, `none` without).
+    pub choice: Option<ToolChoice>,
+    /// `None`: not given (parallel calls allowed).
+    pub parallel: Option<bool>,
+}
+
+/// Tools that passed validation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidTools {
+    pub functions: Vec<FunctionDefinition>,
+    pub choice: ToolChoice,
+    /// The grammar every output follows (`None` for `tool_choice: none`),
+    /// with the field named when it does not compile.
+    pub constraint: Option<(String, Constraint)>,
+}
+
+impl ValidTools {
+    /// What the chat template shows the model: nothing for `none`.
+    pub fn shown(&self) -> Option<&[FunctionDefinition]> {
+        (self.choice != ToolChoice::None).then_some(self.functions.as_slice())
+    }
+}
+
+/// A request's one output constraint: a response format (or a vLLM
+/// `guided_*` field) and a tool-call grammar exclude each other.
+pub fn one_constraint(
+    format: Option<(String, Constraint)>,
+    tools: Option<(String, Constraint)>,
+) -> Result<Option<(String, Constraint)>, ValidationError> {
+    match (format, tools) {
+        (Some((field, _)), Some(_)) => Err(ValidationError::Unsupported {
+            field,
+            message: "cannot be combined with `tools` (unless `tool_choice` is `none`)".into(),
+        }),
+        (format, tools) => Ok(format.or(tools)),
+    }
+}
+
+/// OpenAI's rule for function names.
+fn valid_function_name(name: &str) -> bool {
+    (1..=64).contains(&name.len()) && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
 /// What the handlers need besides the `ValidRequest`.
@@ -217,6 +276,11 @@ pub struct Validation {
     /// Names a request's `model` may take: the served name first, then the
     /// model id.
     pub model_names: Vec<String>,
+    /// Compiles output constraints; `None` when llguidance could not read
+    /// the tokenizer (constrained requests then get a 400 saying so).
+    pub grammar: Option<Arc<GrammarCompiler>>,
+    /// How this model writes tool calls (`--tool-call-parser`).
+    pub tool_format: ToolFormat,
 }
 
 impl Validation {
@@ -245,7 +309,7 @@ impl Validation {
         field: &str,
         params: &GenerateParameters,
     ) -> Result<Vec<Validated>, ValidationError> {
-        self.check_shape(params)?;
+        let grammar = self.check_shape(params)?;
         if prompts.is_empty() {
             return Err(ValidationError::Empty { field: field.into() });
         }
@@ -255,13 +319,14 @@ impl Validation {
             .map(|(i, prompt)| {
                 let field = if prompts.len() > 1 { format!("{field}[{i}]") } else { field.to_string() };
                 let ids = self.tokenize(prompt, &field, true)?;
-                self.validate_lengths_and_ranges(ids, &field, params.clone())
+                self.validate_lengths_and_ranges(ids, &field, params.clone(), grammar.clone())
             })
             .collect()
     }
 
-    /// What the request asks for as a whole, before its prompt is looked at.
-    fn check_shape(&self, p: &GenerateParameters) -> Result<(), ValidationError> {
+    /// What the request asks for as a whole, before its prompt is looked at;
+    /// its output constraint, compiled (once, whatever the number of prompts).
+    fn check_shape(&self, p: &GenerateParameters) -> Result<Option<CompiledGrammar>, ValidationError> {
         if p.n == 0 || p.n > self.limits.max_n {
             return Err(out_of_range("n", format!("must be in [1, {}]", self.limits.max_n)));
         }
@@ -272,9 +337,6 @@ impl Validation {
         if p.best_of.is_some_and(|b| b != 1) {
             return Err(unsupported("best_of", "only 1 is supported"));
         }
-        if p.grammar.is_some() {
-            return Err(unsupported("grammar", "grammars are not supported"));
-        }
         if p.top_n_tokens_needs_logprobs && p.top_n_tokens > 0 && !p.logprobs {
             return Err(ValidationError::Unsupported {
                 field: p.top_n_tokens_field.into(),
@@ -284,7 +346,65 @@ impl Validation {
         if matches!(p.decoding, Decoding::GreedyUnless { .. }) && p.temperature.is_some_and(|t| t <= 0.0) {
             return Err(out_of_range("temperature", "must be strictly positive"));
         }
-        Ok(())
+        match &p.constraint {
+            Some((field, constraint)) => self.compile(field, constraint).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Compiles `constraint` (from request field `field`): a 400 naming the
+    /// field and the problem when it does not compile.
+    pub fn compile(&self, field: &str, constraint: &Constraint) -> Result<CompiledGrammar, ValidationError> {
+        let compiler = self.grammar.as_ref().ok_or_else(|| ValidationError::Unsupported {
+            field: field.into(),
+            message: "structured output is not available: llguidance cannot read this model's tokenizer".into(),
+        })?;
+        compiler.compile(constraint).map_err(|message| ValidationError::Grammar { field: field.into(), message })
+    }
+    /// Checks a chat request's tools: names (OpenAI's rule, no duplicates),
+    /// each parameters schema (compiled alone, so a 400 names the tool), the
+    /// choice. `None`: no tools, and no choice that needs them.
+    pub fn tools(&self, t: &ToolRequest) -> Result<Option<ValidTools>, ValidationError> {
+        for (i, f) in t.functions.iter().enumerate() {
+            let field = |name: &str| format!("tools[{i}].function.{name}");
+            if !valid_function_name(&f.name) {
+                return Err(ValidationError::Unsupported {
+                    field: field("name"),
+                    message: "must be 1 to 64 letters, digits, `_` or `-`".into(),
+                });
+            }
+            if t.functions[..i].iter().any(|g| g.name == f.name) {
+                return Err(ValidationError::Unsupported {
+                    field: field("name"),
+                    message: format!("`{}` is declared twice", f.name),
+                });
+            }
+            if let Some(parameters) = &f.parameters {
+                self.compile(&field("parameters"), &Constraint::JsonSchema(parameters.clone()))?;
+            }
+        }
+        let choice = match &t.choice {
+            None if t.functions.is_empty() => ToolChoice::None,
+            None => ToolChoice::Auto,
+            Some(ToolChoice::Named(name)) if !t.functions.iter().any(|f| &f.name == name) => {
+                return Err(ValidationError::Unsupported {
+                    field: "tool_choice.function.name".into(),
+                    message: format!("`{name}` is not one of the declared tools"),
+                });
+            }
+            Some(choice) => choice.clone(),
+        };
+        if t.functions.is_empty() {
+            return match choice {
+                ToolChoice::None | ToolChoice::Auto => Ok(None),
+                _ => Err(ValidationError::Empty { field: "tools".into() }),
+            };
+        }
+        let constraint = self
+            .tool_format
+            .grammar(&t.functions, &choice, t.parallel.unwrap_or(true))
+            .map(|grammar| ("tools".to_string(), grammar));
+        Ok(Some(ValidTools { functions: t.functions.clone(), choice, constraint }))
     }
 
     #[tracing::instrument(level = "debug", name = "render_chat", skip_all)]
@@ -294,11 +414,70 @@ impl Validation {
                 field: "messages".into(),
             });
         }
+        self.render_chat_with_tools(messages, None)
+    }
+
+    /// The chat prompt with `tools` shown to the model (None: no tools,
+    /// or `tool_choice: none`). A template that renders a `tools` variable
+    /// gets them, and the messages' `tool_calls`, as they are; for one that
+    /// does not, the tools are described in the system message and earlier
+    /// calls written into their message's content, in the model's tool-call
+    /// format.
+    pub fn render_chat_with_tools(
+        &self,
+        messages: &[TemplateMessage],
+        tools: Option<&[FunctionDefinition]>,
+    ) -> Result<String, ValidationError> {
+        if messages.is_empty() {
+            return Err(ValidationError::Empty {
+                field: "messages".into(),
+            });
+        }
         let template = self.chat_template.as_ref().ok_or(ValidationError::NoChatTemplate)?;
-        template.apply(messages, true).map_err(|e| match e {
+        let rendered = if template.supports_tools() {
+            let listing: Option<Vec<serde_json::Value>> =
+                tools.map(|t| t.iter().map(|f| serde_json::json!({"type": "function", "function": f})).collect());
+            template.apply_with_tools(messages, listing.as_deref(), true)
+        } else if tools.is_some() || messages.iter().any(|m| m.tool_calls.is_some()) {
+            template.apply(&self.tools_in_text(messages, tools), true)
+        } else {
+            template.apply(messages, true)
+        };
+        rendered.map_err(|e| match e {
             ChatTemplateError::Render(message) => ValidationError::ChatTemplate(message),
             other => ValidationError::ChatTemplate(other.to_string()),
         })
+    }
+
+    /// `messages` for a template that knows no tools: the tools described
+    /// in the system message (merged into the client's, or a new first one),
+    /// earlier calls appended to their assistant message's content.
+    fn tools_in_text(&self, messages: &[TemplateMessage], tools: Option<&[FunctionDefinition]>) -> Vec<TemplateMessage> {
+        let format = &self.tool_format;
+        let mut out: Vec<TemplateMessage> = messages
+            .iter()
+            .map(|m| {
+                let Some(calls) = &m.tool_calls else { return m.clone() };
+                let calls: Vec<(String, String)> = calls
+                    .iter()
+                    .map(|c| {
+                        let name = c["function"]["name"].as_str().unwrap_or_default().to_string();
+                        (name, c["function"]["arguments"].to_string())
+                    })
+                    .collect();
+                let text = format.render_calls(&calls);
+                let content = if m.content.is_empty() { text } else { format!("{}\n{text}", m.content) };
+                TemplateMessage { content, tool_calls: None, ..m.clone() }
+            })
+            .collect();
+        if let Some(tools) = tools {
+            let description = format.system_prompt(tools);
+            match out.first_mut() {
+                Some(first) if first.role == "system" => first.content = format!("{}\n\n{description}", first.content),
+                _ => out.insert(0, TemplateMessage::text("system", description)),
+            }
+        }
+        out
     }
 
     /// Prompt token ids. Raw text gets the tokenizer's special tokens (BOS)
@@ -351,8 +530,8 @@ impl Validation {
         input_field: &str,
         params: GenerateParameters,
     ) -> Result<Validated, ValidationError> {
-        self.check_shape(&params)?;
-        self.validate_lengths_and_ranges(input_ids, input_field, params)
+        let grammar = self.check_shape(&params)?;
+        self.validate_lengths_and_ranges(input_ids, input_field, params, grammar)
     }
 
     #[tracing::instrument(level = "debug", name = "validate", skip_all)]
@@ -361,6 +540,7 @@ impl Validation {
         mut input_ids: Vec<u32>,
         input_field: &str,
         params: GenerateParameters,
+        grammar: Option<CompiledGrammar>,
     ) -> Result<Validated, ValidationError> {
         let limits = &self.limits;
         if let Some(truncate) = params.truncate {
@@ -439,6 +619,7 @@ impl Validation {
                 logprobs: params.logprobs || params.top_n_tokens > 0,
                 top_n_tokens: params.top_n_tokens,
                 prompt_logprobs: params.prompt_logprobs,
+                grammar,
                 arrived: Instant::now(),
             },
             stop: params.stop,
@@ -562,6 +743,8 @@ pub(crate) mod tests {
             vocab_size: 267,
             defaults: GenerationDefaults::default(),
             model_names: vec!["tiny".into(), "org/tiny".into()],
+            grammar: Some(Arc::new(GrammarCompiler::new(&byte_fallback_tokenizer(), 267, &[2]).unwrap())),
+            tool_format: ToolFormat::new(crate::tool_calls::ToolParserKind::Hermes, &byte_fallback_tokenizer()),
         }
     }
 
@@ -666,7 +849,13 @@ pub(crate) mod tests {
             (GenerateParameters { n: 5, ..Default::default() }, "n"),
             (GenerateParameters { best_of: Some(2), ..Default::default() }, "best_of"),
             (GenerateParameters { best_of: Some(2), ..tgi.clone() }, "parameters.best_of"),
-            (GenerateParameters { grammar: Some(serde_json::json!({"type": "json"})), ..tgi.clone() }, "parameters.grammar"),
+            (
+                GenerateParameters {
+                    constraint: Some(("parameters.grammar.value".into(), Constraint::Regex("(a".into()))),
+                    ..tgi.clone()
+                },
+                "parameters.grammar.value",
+            ),
             (
                 GenerateParameters {
                     top_n_tokens: 2,
@@ -725,6 +914,59 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn tools_and_choices_are_checked() {
+        let v = validation();
+        let function = |name: &str, parameters: Option<serde_json::Value>| FunctionDefinition {
+            name: name.into(),
+            description: None,
+            parameters,
+            strict: None,
+        };
+        let declared = vec![function("get_weather", Some(serde_json::json!({"type": "object"}))), function("now", None)];
+        let check = |functions: &[FunctionDefinition], choice: Option<ToolChoice>| {
+            v.tools(&ToolRequest { functions: functions.to_vec(), choice, parallel: None })
+        };
+        let t = check(&declared, None).unwrap().unwrap();
+        assert_eq!(t.choice, ToolChoice::Auto);
+        assert_eq!(t.constraint.unwrap().0, "tools");
+        let t = check(&declared, Some(ToolChoice::None)).unwrap().unwrap();
+        assert!(t.constraint.is_none() && t.shown().is_none());
+        assert_eq!(check(&[], None).unwrap(), None);
+        assert_eq!(check(&[], Some(ToolChoice::None)).unwrap(), None);
+
+        let field = |functions: &[FunctionDefinition], choice: Option<ToolChoice>| {
+            check(functions, choice).unwrap_err().param().unwrap().to_string()
+        };
+        assert_eq!(field(&[], Some(ToolChoice::Required)), "tools");
+        assert_eq!(field(&declared, Some(ToolChoice::Named("nope".into()))), "tool_choice.function.name");
+        assert_eq!(field(&[function("a b", None)], None), "tools[0].function.name");
+        assert_eq!(field(&[function("a", Some(serde_json::json!([1])))], None), "tools[0].function.parameters");
+        let bad_schema = function("b", Some(serde_json::json!({"type": "nope"})));
+        assert_eq!(field(&[function("a", None), bad_schema], None), "tools[1].function.parameters");
+        assert_eq!(field(&[function("a", None), function("a", None)], None), "tools[1].function.name");
+    }
+
+    #[test]
+    fn tools_go_into_the_system_message_of_a_template_without_them() {
+        let v = validation();
+        let tools = [FunctionDefinition { name: "now".into(), description: None, parameters: None, strict: None }];
+        let call = serde_json::json!({"id": "c1", "type": "function", "function": {"name": "now", "arguments": {}}});
+        let messages = [
+            TemplateMessage::text("user", "time?"),
+            TemplateMessage { tool_calls: Some(vec![call]), ..TemplateMessage::text("assistant", "") },
+            TemplateMessage { tool_call_id: Some("c1".into()), ..TemplateMessage::text("tool", "noon") },
+        ];
+        let rendered = v.render_chat_with_tools(&messages, Some(&tools)).unwrap();
+        let lines: Vec<&str> = rendered.lines().collect();
+        assert!(lines[0].starts_with("system: You can call these functions"), "{rendered}");
+        assert!(rendered.contains("{\"type\":\"function\",\"function\":{\"name\":\"now\"}}"), "{rendered}");
+        assert!(rendered.contains("assistant: <tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>\ntool: noon"), "{rendered}");
+        // Without tools (tool_choice none) the history still renders its calls.
+        let rendered = v.render_chat_with_tools(&messages, None).unwrap();
+        assert!(rendered.starts_with("user: time?\nassistant: <tool_call>"), "{rendered}");
+    }
+
+    #[test]
     fn prompts_are_checked() {
         let v = validation();
         assert_eq!(v.tokenize(&Prompt::Text(String::new()), "prompt", true).unwrap_err().param(), Some("prompt"));
@@ -737,7 +979,7 @@ pub(crate) mod tests {
         assert_eq!(v.tokenize(&Prompt::Text("Hello".into()), "prompt", true).unwrap()[0], 1);
         assert!(matches!(v.render_chat(&[]), Err(ValidationError::Empty { .. })));
         let rendered = v
-            .render_chat(&[TemplateMessage { role: "user".into(), content: "hi".into() }])
+            .render_chat(&[TemplateMessage::text("user", "hi")])
             .unwrap();
         assert_eq!(rendered, "user: hi\n");
     }

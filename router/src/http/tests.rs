@@ -12,7 +12,7 @@ use serde_json::{json, Value};
 use tower::ServiceExt;
 
 use super::{app, readiness, AppState, HttpOptions, Info};
-use crate::testing::fake_shard::{FakeShard, FakeShardConfig};
+use crate::testing::fake_shard::{FakeShard, FakeShardConfig, FakeShardHandle};
 use crate::infer::{SchedulerStats, ShardInfo, TokenCounts};
 use crate::scheduler::{spawn, SchedulerConfig};
 
@@ -22,6 +22,8 @@ struct Setup {
     payload_limit: usize,
     hourly_cost: Option<f64>,
     api_key: Option<String>,
+    /// Replaces the test validation's limits.
+    limits: Option<crate::validation::RequestLimits>,
 }
 
 impl Default for Setup {
@@ -33,11 +35,18 @@ impl Default for Setup {
             payload_limit: 4096,
             hourly_cost: None,
             api_key: None,
+            limits: None,
         }
     }
 }
 
 fn build(setup: Setup) -> (Router, Arc<AppState>) {
+    let (app, state, _) = build_with_shard(setup);
+    (app, state)
+}
+
+/// As `build`, with the fake shard's handle (what reached it).
+fn build_with_shard(setup: Setup) -> (Router, Arc<AppState>, FakeShardHandle) {
     let fake = setup.fake;
     let config = SchedulerConfig {
         max_batch_prefill_tokens: 64,
@@ -62,9 +71,12 @@ fn build(setup: Setup) -> (Router, Arc<AppState>) {
         num_blocks: fake.num_blocks,
         attention_backend: "torch".into(),
     };
-    let (shard, _handle) = FakeShard::new(fake);
+    let (shard, handle) = FakeShard::new(fake);
     let infer = spawn(shard, config, info);
-    let validation = crate::validation::tests::validation();
+    let mut validation = crate::validation::tests::validation();
+    if let Some(limits) = setup.limits {
+        validation.limits = limits;
+    }
     let limits = validation.limits.clone();
     let state = Arc::new(AppState {
         infer,
@@ -99,7 +111,7 @@ fn build(setup: Setup) -> (Router, Arc<AppState>) {
         started: Instant::now(),
     });
     let options = HttpOptions { payload_limit: setup.payload_limit, cors_allow_origin: vec![] };
-    (app(state.clone(), &options), state)
+    (app(state.clone(), &options), state, handle)
 }
 
 async fn call(app: &Router, method: &str, path: &str, body: Option<Value>) -> (StatusCode, axum::http::HeaderMap, String) {
@@ -121,6 +133,8 @@ async fn post(app: &Router, path: &str, body: Value) -> (StatusCode, Value) {
     let (status, _, text) = call(app, "POST", path, Some(body)).await;
     (status, serde_json::from_str(&text).unwrap_or_else(|_| panic!("not JSON: {text}")))
 }
+
+mod structured;
 
 /// The JSON payloads of an SSE body, checking the framing on the way.
 fn sse_payloads(text: &str) -> Vec<String> {

@@ -24,7 +24,9 @@ use super::sse::json_event;
 use super::state::AppState;
 use crate::infer::TokenLogprob;
 use crate::tokenizer::Tokenizer;
-use crate::validation::{Decoding, GenerateParameters, Prompt, Validated};
+use super::openai::structured::schema_value;
+use crate::grammar::Constraint;
+use crate::validation::{Decoding, GenerateParameters, Prompt, Validated, ValidationError};
 
 #[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 #[serde(default)]
@@ -51,9 +53,46 @@ pub struct TgiParameters {
     pub decoder_input_details: bool,
     pub seed: Option<u64>,
     pub top_n_tokens: Option<u32>,
-    /// Not supported: must be null.
-    #[schema(value_type = Option<Object>)]
-    pub grammar: Option<serde_json::Value>,
+    /// The output follows `{"type": "json", "value": schema}`,
+    /// `{"type": "regex", "value": regex}` or `{"type": "json_schema",
+    /// "value": {"name": ..., "schema": schema}}`.
+    pub grammar: Option<TgiGrammar>,
+}
+
+/// TGI's `parameters.grammar`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct TgiGrammar {
+    /// `json`, `regex` or `json_schema`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[schema(value_type = Object)]
+    pub value: serde_json::Value,
+}
+
+impl TgiGrammar {
+    /// The constraint, with the field named when it does not compile.
+    fn constraint(&self) -> Result<(String, Constraint), ValidationError> {
+        use serde_json::Value;
+        let field = "parameters.grammar.value";
+        let unsupported = |field: &str, message: String| ValidationError::Unsupported { field: field.into(), message };
+        let constraint = match (self.kind.as_str(), &self.value) {
+            ("json" | "json_object", value) => Constraint::JsonSchema(schema_value(field, value)?),
+            // {"name": ..., "schema": {...}} as OpenAI's json_schema, or the schema.
+            ("json_schema", Value::Object(map)) if map.get("schema").is_some_and(Value::is_object) => {
+                Constraint::JsonSchema(map["schema"].clone())
+            }
+            ("json_schema", value) => Constraint::JsonSchema(schema_value(field, value)?),
+            ("regex", Value::String(regex)) => Constraint::Regex(regex.clone()),
+            ("regex", _) => return Err(unsupported(field, "a regex must be a string".into())),
+            (other, _) => {
+                return Err(unsupported(
+                    "parameters.grammar.type",
+                    format!("`{other}` is not one of `json`, `regex`, `json_schema`"),
+                ))
+            }
+        };
+        Ok((field.to_string(), constraint))
+    }
 }
 
 #[derive(Debug, Clone, Deserialize, ToSchema)]
@@ -151,7 +190,7 @@ fn validate(state: &AppState, request: &TgiRequest, stream: bool) -> Result<Vali
         max_new_tokens_field: "max_new_tokens",
         field_prefix: "parameters.",
         best_of: p.best_of,
-        grammar: p.grammar.clone().filter(|g| !g.is_null()),
+        constraint: p.grammar.as_ref().map(TgiGrammar::constraint).transpose()?,
         temperature: p.temperature,
         decoding: Decoding::GreedyUnless { do_sample: p.do_sample },
         top_k: p.top_k,

@@ -134,8 +134,9 @@ impl Request {
                 // continues the count).
                 min_tokens: r.min_tokens,
             }),
-            // Unconstrained until the APIs accept constraints (issue 17).
-            grammar: String::new(),
+            // Every admission carries it: a resumed request rebuilds its
+            // matcher on the shard from it and the generated tokens.
+            grammar: r.grammar.as_ref().map(|g| g.0.to_string()).unwrap_or_default(),
         }
     }
 }

@@ -19,7 +19,10 @@
 //!
 //! Tokens are "generated" deterministically from the whole sequence so far,
 //! so a request produces the same tokens whatever its batch, chunking,
-//! cache hits or preemptions were.
+//! cache hits or preemptions were. With `grammar` set, a constrained request
+//! (`NewRequest.grammar`) picks among the tokens its llguidance matcher
+//! allows, as a real shard masks them, preferring to end (EOS, then a
+//! closing `"`, `}` or `]`) so outputs stay short.
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -27,6 +30,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::client::{ClientError, Shard};
+use crate::grammar::GrammarCompiler;
 use crate::pb::{
     Generation, RequestError, SamplingParams, StepRequest, StepResponse, StepTimings, TokenLogprob,
 };
@@ -41,6 +45,8 @@ pub struct FakeShardConfig {
     pub eos_probability: f64,
     /// Time one step takes.
     pub latency: Duration,
+    /// Honour `NewRequest.grammar` (for the model's tokenizer).
+    pub grammar: Option<Arc<GrammarCompiler>>,
 }
 
 impl Default for FakeShardConfig {
@@ -52,6 +58,7 @@ impl Default for FakeShardConfig {
             eos_token_id: 0,
             eos_probability: 0.0,
             latency: Duration::ZERO,
+            grammar: None,
         }
     }
 }
@@ -63,6 +70,7 @@ struct FakeRequest {
     num_computed_tokens: usize,
     blocks: Vec<u32>,
     params: SamplingParams,
+    grammar: String,
 }
 
 #[derive(Debug, Default)]
@@ -161,6 +169,31 @@ pub fn next_token(config: &FakeShardConfig, tokens: &[u32], may_end: bool) -> (u
     (token, logprob)
 }
 
+/// The token a constrained request "generates": one its grammar allows.
+fn constrained_token(config: &FakeShardConfig, r: &FakeRequest, may_end: bool) -> Result<u32, String> {
+    let compiler = config.grammar.as_ref().ok_or("this fake shard has no grammar support")?;
+    let mut matcher = compiler.matcher(&r.grammar)?;
+    matcher.consume_tokens(&r.tokens[r.num_prompt_tokens..]).map_err(|e| e.to_string())?;
+    let mut allowed = matcher.compute_mask_or_eos().map_err(|e| e.to_string())?;
+    let trie = compiler.tok_env().tok_trie();
+    if !may_end {
+        for &eos in trie.eos_tokens() {
+            allowed.disallow_token(eos);
+        }
+    }
+    let closers: Vec<u32> = ["\"", "}", "]"].iter().filter_map(|c| trie.token_id(c.as_bytes())).collect();
+    let preferred = trie.eos_tokens().iter().chain(&closers).find(|&&t| allowed.is_allowed(t));
+    if let Some(&token) = preferred {
+        return Ok(token);
+    }
+    let choices = allowed.to_list();
+    if choices.is_empty() {
+        return Err("every token was masked".into());
+    }
+    let h = prefix_hashes(&r.tokens).last().copied().unwrap_or(HASH_SEED);
+    Ok(choices[(h % choices.len() as u64) as usize])
+}
+
 /// One request's work in a step, validated.
 struct Work {
     id: u64,
@@ -200,6 +233,7 @@ impl FakeState {
                     num_computed_tokens: computed,
                     blocks: new.block_ids.clone(),
                     params: new.params.clone().ok_or_else(|| format!("request {}: no params", new.id))?,
+                    grammar: new.grammar.clone(),
                 },
             );
             work.push(Work { id: new.id, start: computed, num_new_tokens: new.num_new_tokens as usize });
@@ -305,7 +339,18 @@ impl FakeState {
             }
             let generated = r.tokens.len() - r.num_prompt_tokens;
             let may_end = generated >= r.params.min_tokens as usize;
-            let (token_id, logprob) = next_token(config, &r.tokens, may_end);
+            let (token_id, logprob) = if r.grammar.is_empty() {
+                next_token(config, &r.tokens, may_end)
+            } else {
+                match constrained_token(config, r, may_end) {
+                    Ok(token) => (token, next_token(config, &r.tokens, may_end).1),
+                    Err(message) => {
+                        self.requests.remove(&w.id);
+                        response.errors.push(RequestError { id: w.id, message });
+                        continue;
+                    }
+                }
+            };
             let prompt_logprobs = if r.params.prompt_logprobs && generated == 0 {
                 (1..r.tokens.len())
                     .map(|i| TokenLogprob { token_id: r.tokens[i], logprob: next_token(config, &r.tokens[..i], false).1 })

@@ -60,6 +60,7 @@ pub fn request(prompt: Vec<u32>, max_new_tokens: u32) -> ValidRequest {
         logprobs: false,
         top_n_tokens: 0,
         prompt_logprobs: false,
+        grammar: None,
         arrived: Instant::now(),
     }
 }

@@ -12,6 +12,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 
 use super::types::{Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, PromptInput};
+use super::structured::openai_constraint;
 use super::{fingerprint, parameters, ResponseId};
 use crate::http::error::{parse_body, ApiError, OpenAiError};
 use crate::http::generation::{Choices, Collected, Finish, GenEvent, RequestRecord, StreamShape, TokenUsage};
@@ -57,6 +58,7 @@ async fn complete(state: Arc<AppState>, body: Result<Bytes, BytesRejection>, rec
     params.top_n_tokens_field = "logprobs";
     let echo = request.echo.unwrap_or(false);
     params.prompt_logprobs = echo && params.logprobs;
+    params.constraint = openai_constraint(request.response_format.as_ref(), &request.guided)?;
     let validated = state.validation.validate_prompts(&prompts, "prompt", &params)?;
     let shape = CompletionShape::new(&state, &validated, echo, request.logprobs);
     let choices = Choices::submit(&state, validated).await?;

@@ -20,6 +20,7 @@
 
 pub mod chat;
 pub mod completions;
+pub mod structured;
 pub mod types;
 
 use std::sync::Arc;

@@ -5,6 +5,8 @@ use std::collections::HashMap;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
+use super::structured::{GuidedFields, ResponseFormat, Tool, ToolChoiceSpec};
+
 /// OpenAI's `stop`: one string or a list.
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 #[serde(untagged)]
@@ -80,6 +82,10 @@ pub struct ChatMessage {
     pub role: String,
     pub content: Option<MessageContent>,
     pub name: Option<String>,
+    /// An assistant turn's calls (sent back in a tool-calling loop).
+    pub tool_calls: Option<Vec<ToolCallMessage>>,
+    /// A `tool` message: the call it answers.
+    pub tool_call_id: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize, ToSchema)]
@@ -91,8 +97,17 @@ pub struct ChatCompletionRequest {
     pub max_completion_tokens: Option<u64>,
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<u32>,
+    /// `text`, `json_object` or `json_schema` (see `structured`).
+    pub response_format: Option<ResponseFormat>,
+    pub tools: Option<Vec<Tool>>,
+    /// `none`, `auto`, `required` or `{"type": "function", "function": {"name": ...}}`.
+    pub tool_choice: Option<ToolChoiceSpec>,
+    /// Default true: the model may make several calls in one answer.
+    pub parallel_tool_calls: Option<bool>,
     #[serde(flatten)]
     pub sampling: SamplingFields,
+    #[serde(flatten)]
+    pub guided: GuidedFields,
 }
 
 #[derive(Debug, Clone, Deserialize, ToSchema)]
@@ -117,8 +132,12 @@ pub struct CompletionRequest {
     pub echo: Option<bool>,
     /// Only 1 is supported.
     pub best_of: Option<u32>,
+    /// `text`, `json_object` or `json_schema` (see `structured`).
+    pub response_format: Option<ResponseFormat>,
     #[serde(flatten)]
     pub sampling: SamplingFields,
+    #[serde(flatten)]
+    pub guided: GuidedFields,
 }
 
 #[derive(Debug, Clone, Serialize, ToSchema)]
@@ -158,7 +177,10 @@ pub struct ChatLogprobs {
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct AssistantMessage {
     pub role: String,
-    pub content: String,
+    /// Null when the answer is only tool calls.
+    pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallMessage>>,
 }
 
 #[derive(Debug, Clone, Serialize, ToSchema)]
@@ -184,9 +206,8 @@ pub struct ChatCompletion {
 pub struct ChatDelta {
     pub role: String,
     pub content: String,
-    /// Always null; present because TGI's client requires the key.
-    #[schema(value_type = Option<Object>)]
-    pub tool_calls: Option<serde_json::Value>,
+    /// Pieces of tool calls; null otherwise (TGI's client requires the key).
+    pub tool_calls: Option<Vec<ToolCallDelta>>,
 }
 
 #[derive(Debug, Clone, Serialize, ToSchema)]
@@ -234,4 +255,43 @@ pub struct Completion {
     pub system_fingerprint: String,
     pub choices: Vec<CompletionChoice>,
     pub usage: Option<Usage>,
+}
+
+/// A call in a request's earlier assistant message, and in responses.
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+pub struct ToolCallMessage {
+    pub id: String,
+    #[serde(rename = "type", default = "function_kind")]
+    pub kind: String,
+    pub function: FunctionCall,
+}
+
+fn function_kind() -> String {
+    "function".into()
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+pub struct FunctionCall {
+    pub name: String,
+    /// The arguments as a JSON string.
+    pub arguments: String,
+}
+
+/// A streamed piece of a call: id, type and name in its first delta, then
+/// argument fragments.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ToolCallDelta {
+    pub index: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
+    pub function: FunctionCallDelta,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct FunctionCallDelta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    pub arguments: String,
 }
