@@ -52,6 +52,8 @@ def request(i: int) -> dict:
     elif kind == "tools":
         body["tools"] = TOOLS
         body["tool_choice"] = "required"
+        # One call, then EOS: with parallel calls a random model calls until max_tokens.
+        body["parallel_tool_calls"] = False
     else:
         body["ignore_eos"] = True
     return kind, body
