@@ -74,7 +74,29 @@ def test_none_answers_in_text(client):
     assert isinstance(choice.message.content, str)
 
 
-def test_auto_is_text_or_valid_calls(client):
+def streamed(stream) -> tuple[str, list[dict], str | None]:
+    """The content, calls and finish reason of a streamed chat answer,
+    checking OpenAI's shape: a call's first delta carries its id, type and
+    name, later ones only argument fragments; calls are indexed from 0."""
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        finish = choice.finish_reason or finish
+        content += choice.delta.content or ""
+        for delta in choice.delta.tool_calls or []:
+            if delta.index not in calls:
+                assert delta.id and delta.type == "function" and delta.function.name
+                calls[delta.index] = {"id": delta.id, "name": delta.function.name, "arguments": ""}
+            else:
+                assert delta.id is None and not delta.function.name
+            calls[delta.index]["arguments"] += delta.function.arguments or ""
+    assert sorted(calls) == list(range(len(calls)))
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def test_auto_is_text_or_valid_calls_streamed_or_not(client):
     for seed in range(3):
         choice = ask(client, tool_choice="auto", temperature=1.0, seed=seed).choices[0]
         if choice.message.tool_calls:
@@ -82,6 +104,12 @@ def test_auto_is_text_or_valid_calls(client):
             check_calls(choice.message.tool_calls, choice.finish_reason)
         else:
             assert choice.finish_reason in ("stop", "length")
+        # Seeded: the stream is the same answer, split into deltas.
+        content, calls, finish = streamed(ask(client, tool_choice="auto", temperature=1.0, seed=seed, stream=True))
+        assert finish == choice.finish_reason
+        assert content == (choice.message.content or "")
+        assert [(c["name"], c["arguments"]) for c in calls] == [
+            (c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
 
 
 def test_no_parallel_calls_means_one(client):
@@ -91,31 +119,15 @@ def test_no_parallel_calls_means_one(client):
 
 
 def test_streamed_calls_send_id_and_name_first_then_arguments(client):
-    stream = ask(client, tool_choice="required", stream=True)
-    calls: dict[int, dict] = {}
-    finish = None
-    for chunk in stream:
-        if not chunk.choices:
-            continue
-        choice = chunk.choices[0]
-        finish = choice.finish_reason or finish
-        for delta in choice.delta.tool_calls or []:
-            if delta.index not in calls:
-                # The first delta of a call carries its id, type and name.
-                assert delta.id and delta.type == "function" and delta.function.name
-                calls[delta.index] = {"id": delta.id, "name": delta.function.name, "arguments": ""}
-            else:
-                assert delta.id is None and not delta.function.name
-            calls[delta.index]["arguments"] += delta.function.arguments or ""
+    content, calls, finish = streamed(ask(client, tool_choice="required", stream=True))
     assert finish == "tool_calls"
-    assert calls and sorted(calls) == list(range(len(calls)))
-    for call in calls.values():
+    assert calls and not content
+    for call in calls:
         jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
 
     # The same request unstreamed gives the same calls (greedy).
     whole = ask(client, tool_choice="required").choices[0].message.tool_calls
-    assert [(c.function.name, c.function.arguments) for c in whole] == [
-        (c["name"], c["arguments"]) for c in calls.values()]
+    assert [(c.function.name, c.function.arguments) for c in whole] == [(c["name"], c["arguments"]) for c in calls]
 
 
 def test_two_turns_with_the_tool_result(client):
