@@ -133,11 +133,15 @@ def test_lark_and_gbnf_grammars(http):
 
 
 def test_vllm_structured_outputs_object(http):
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    # Closed, as in test_tgi_grammar_through_its_clients: an open object lets
+    # a small model add keys until max_tokens.
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
     r = http.post("/v1/completions", json={
         "prompt": "Status as JSON:", "structured_outputs": {"json": schema}, "max_tokens": 30,
     })
     assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "stop", r.text
     jsonschema.validate(json.loads(r.json()["choices"][0]["text"]), schema)
 
 
@@ -154,6 +158,7 @@ def test_tgi_grammar_through_its_clients(launcher):
     tgi = Client(launcher.base_url, timeout=600)
     out = tgi.generate("Largest city of Japan, as JSON:", max_new_tokens=60,
                        grammar=Grammar(type=GrammarType.Json, value=schema))
+    assert out.details.finish_reason.value == "eos_token", out.details
     jsonschema.validate(json.loads(out.generated_text), schema)
     text = "".join(r.token.text for r in tgi.generate_stream(
         "Date of the moon landing:", max_new_tokens=20, grammar=Grammar(type=GrammarType.Regex, value=ISO_DATE))
