@@ -294,16 +294,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void group_
   const float* sx_lo = a.sx_lo + r0 * a.nb;
   const float* sx_hi = a.sx_hi + r0 * a.nb;
   for (int64_t b = 0; b < a.nb; ++b, rec += rb) {
-    __m512 sw, cw;
-    if constexpr (halves(F)) {
-      sw = cw = _mm512_setzero_ps();  // read per half below
-    } else if constexpr (f32_scales(F)) {
-      sw = _mm512_loadu_ps(rec);
-      cw = _mm512_loadu_ps(rec + 64);
-    } else {
-      sw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
-      cw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32)));
-    }
     const uint8_t* wp = rec + header_bytes(F);
     __m512i w[8];
     if constexpr (!four_bit(F)) {
@@ -333,6 +323,14 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void group_
         acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(scales + 48), _mm512_set1_ps(sx_hi[xi]), acc[r]);
       }
       continue;
+    }
+    __m512 sw, cw;
+    if constexpr (f32_scales(F)) {
+      sw = _mm512_loadu_ps(rec);
+      cw = _mm512_loadu_ps(rec + 64);
+    } else {
+      sw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
+      cw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32)));
     }
     for (int r = 0; r < R; ++r) {
       const int32_t* xr = xq + r * xq_row + b * 8;
@@ -383,18 +381,6 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_avx2(const Args& a, 
   const float* sx_lo = a.sx_lo + r0 * a.nb;
   const float* sx_hi = a.sx_hi + r0 * a.nb;
   for (int64_t b = 0; b < a.nb; ++b, rec += rb) {
-    __m256 sw[2], cw[2];
-    for (int h = 0; h < 2; ++h) {
-      if constexpr (halves(F)) {
-        sw[h] = cw[h] = _mm256_setzero_ps();  // read per half of K below
-      } else if constexpr (f32_scales(F)) {
-        sw[h] = _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 32 * h));
-        cw[h] = _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 64 + 32 * h));
-      } else {
-        sw[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 16 * h)));
-        cw[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 + 16 * h)));
-      }
-    }
     const uint8_t* wp = rec + header_bytes(F);
     __m256i w[8][2];
     if constexpr (!four_bit(F)) {
@@ -432,6 +418,16 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_avx2(const Args& a, 
           }
       }
       continue;
+    }
+    __m256 sw[2], cw[2];
+    for (int h = 0; h < 2; ++h) {
+      if constexpr (f32_scales(F)) {
+        sw[h] = _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 32 * h));
+        cw[h] = _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 64 + 32 * h));
+      } else {
+        sw[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 16 * h)));
+        cw[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 + 16 * h)));
+      }
     }
     for (int r = 0; r < R; ++r) {
       const int32_t* xr = reinterpret_cast<const int32_t*>(a.xq + (r0 + r) * a.K + b * QK);
