@@ -118,6 +118,35 @@ def test_no_parallel_calls_means_one(client):
     assert len(choice.message.tool_calls) == 1
 
 
+def test_parallel_calls_come_when_allowed(client):
+    """`parallel_tool_calls` (the default) lets one answer hold several
+    calls: some seeded answer to a two-part question makes two or more, each
+    valid."""
+    most = 0
+    for seed in range(6):
+        choice = ask(client, tool_choice="required", parallel_tool_calls=True, temperature=1.0, seed=seed).choices[0]
+        check_calls(choice.message.tool_calls, choice.finish_reason)
+        whole = len(choice.message.tool_calls) - (choice.finish_reason == "length")
+        most = max(most, whole)
+        if most >= 2:
+            break
+    assert most >= 2
+
+
+def test_streamed_named_and_none_match_unstreamed(client):
+    named = {"type": "function", "function": {"name": "get_time"}}
+    content, calls, finish = streamed(ask(client, tool_choice=named, stream=True))
+    assert finish == "tool_calls" and not content
+    assert [c["name"] for c in calls] == ["get_time"]
+    jsonschema.validate(json.loads(calls[0]["arguments"]), TIME)
+    whole = ask(client, tool_choice=named).choices[0].message.tool_calls
+    assert [(c.function.name, c.function.arguments) for c in whole] == [(c["name"], c["arguments"]) for c in calls]
+
+    content, calls, finish = streamed(ask(client, tool_choice="none", max_tokens=20, stream=True))
+    assert not calls and finish in ("stop", "length")
+    assert content == ask(client, tool_choice="none", max_tokens=20).choices[0].message.content
+
+
 def test_streamed_calls_send_id_and_name_first_then_arguments(client):
     content, calls, finish = streamed(ask(client, tool_choice="required", stream=True))
     assert finish == "tool_calls"
