@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import logging
@@ -100,6 +101,7 @@ async def serve(args: argparse.Namespace) -> int:
     import grpc
     import torch
 
+    from sluice_server import faults
     from sluice_server.distributed import init_distributed
     from sluice_server.model_runner import ModelRunner
     from sluice_server.pb import shard_pb2_grpc
@@ -113,6 +115,7 @@ async def serve(args: argparse.Namespace) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: no CUDA device is available")
     dist = init_distributed(device)
+    injected = faults.from_env(dist.rank)
     telemetry.setup(args.otlp_endpoint, args.otlp_service_name, dist.rank)
     started = time.perf_counter()
     runner = ModelRunner(
@@ -135,30 +138,71 @@ async def serve(args: argparse.Namespace) -> int:
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ])
-    shard_pb2_grpc.add_ShardServicer_to_server(ShardServicer(Shard(runner, urls, args.kv_cache_bytes)), server)
-    server.add_insecure_port(f"unix://{path}")
-    await server.start()
-
     stop = asyncio.Event()
+    fatal: list[str] = []
+
+    def on_fatal(reason: str) -> None:
+        fatal.append(reason)
+        stop.set()
+
+    servicer = ShardServicer(Shard(runner, urls, args.kv_cache_bytes, injected), fatal=on_fatal)
+    shard_pb2_grpc.add_ShardServicer_to_server(servicer, server)
+    with private_umask():
+        server.add_insecure_port(f"unix://{path}")
+        await server.start()
+    os.chmod(path, 0o600)
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     log.info("Server started at unix://%s", path)
     await stop.wait()
+    if fatal:
+        # Crash-only: this rank's collectives may be out of step with the
+        # others', and a worker thread may still wait in one, so nothing is
+        # drained or joined. The launcher sees the exit and stops the group.
+        log.error("stopping the shard: %s", fatal[0])
+        await server.stop(grace=None)
+        telemetry.shutdown()
+        _remove(path)
+        logging.shutdown()
+        os._exit(1)
     log.info("shutting down")
     await server.stop(grace=1.0)
     telemetry.shutdown()
+    _remove(path)
+    return 0
+
+
+@contextlib.contextmanager
+def private_umask():
+    """Files created inside (the socket) are this user's alone, from the
+    moment they exist: a local user who can connect to a shard can drive it."""
+    previous = os.umask(0o077)
+    try:
+        yield
+    finally:
+        os.umask(previous)
+
+
+def _remove(path: str) -> None:
     if os.path.exists(path):
         os.unlink(path)
-    return 0
 
 
 def download_weights(args: argparse.Namespace) -> int:
     from sluice_server.download import resolve_model
 
+    # The launcher stops us with SIGTERM: unwind like Ctrl-C, so that a
+    # half-written conversion folder (gigabytes) is removed on the way out.
+    signal.signal(signal.SIGTERM, _interrupt)
     folder = resolve_model(args.model_id, revision=args.revision, cache_dir=args.huggingface_hub_cache)
     print(folder, flush=True)
     return 0
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             return asyncio.run(serve(args))
         return download_weights(args)
+    except KeyboardInterrupt as e:
+        log.info("%s interrupted (%s)", args.command, e or "SIGINT")
+        return 130
     except Exception as e:  # noqa: BLE001 - one clear line for the launcher, then exit 1
         log.error("%s failed: %s: %s", args.command, type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
         return 1

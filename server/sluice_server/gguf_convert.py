@@ -15,8 +15,11 @@ also undoes llama.cpp's q/k permutation) and writes the standard layout:
 
 key hashes the file's resolved path, size and mtime, so an edited or
 replaced file converts again while an unchanged one is reused. The folder
-is built under a temporary name and renamed into place: a folder that
-exists is complete.
+is built under a temporary name (`.tmp-<folder>-<host>-<pid>`) and renamed
+into place: a folder that exists is complete. A conversion that is
+interrupted removes its temporary folder (the CLI turns SIGTERM into an
+exception); one killed outright leaves it, and the next conversion on the
+same host removes it once its process is gone.
 
 Before transformers reads it, `check_gguf_file` reads the header
 (gguf_header.py: a second or so, where transformers' reader takes minutes
@@ -33,7 +36,9 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import sys
 from pathlib import Path
 
@@ -117,10 +122,12 @@ def convert_gguf(gguf_path: Path, cache: Path) -> Path:
         return out
     check_gguf_file(gguf_path)
     cache.mkdir(parents=True, exist_ok=True)
-    tmp = cache / f".tmp-{out.name}-{os.getpid()}"
+    remove_stale_tmp(cache)
+    tmp = cache / f".tmp-{out.name}-{_host()}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     progress(f"converting {gguf_path} into {out} (once; takes a minute)")
     try:
+        tmp.mkdir()
         # transformers and tqdm may print; stdout belongs to our caller.
         with contextlib.redirect_stdout(sys.stderr):
             _write_folder(gguf_path.resolve(), tmp)
@@ -134,6 +141,35 @@ def convert_gguf(gguf_path: Path, cache: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     progress(f"converted {gguf_path.name}")
     return out
+
+
+def _host() -> str:
+    # A cache may be shared between hosts: a pid means something on its own host only.
+    return socket.gethostname().replace("-", "_") or "host"
+
+
+def remove_stale_tmp(cache: Path) -> list[Path]:
+    """Removes the temporary folders of conversions on this host whose process
+    is gone (killed: a conversion that fails or is interrupted cleans up
+    itself). Returns what was removed."""
+    removed = []
+    suffix = re.compile(rf"-{re.escape(_host())}-(\d+)$")
+    for tmp in cache.glob(".tmp-*"):
+        found = suffix.search(tmp.name)
+        if found and tmp.is_dir() and not _process_alive(int(found.group(1))):
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(tmp)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
 
 def _write_folder(gguf_path: Path, folder: Path) -> None:

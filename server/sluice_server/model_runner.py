@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,9 +33,9 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# Without --kv-cache-bytes, a CPU shard gives the KV cache this fraction of
-# MemAvailable at warmup: the rest stays for activations, the router, the OS
-# and other shards on the same host.
+# Without --kv-cache-bytes, the CPU shards of one host give their KV caches
+# this fraction of MemAvailable at warmup, together (each takes its share):
+# the rest stays for activations, the router and the OS.
 CPU_KV_FRACTION = 0.30
 # On CUDA, the share of the memory free after the warmup peak left unused
 # (allocator fragmentation, NCCL buffers, sampling temporaries).
@@ -80,6 +81,20 @@ def available_ram_bytes() -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("MemAvailable not found in /proc/meminfo")
+
+
+def local_world_size(dist: Distributed) -> int:
+    """Shards on this host: LOCAL_WORLD_SIZE (the launcher sets it), else
+    the whole group (the launcher starts every rank on its own host)."""
+    raw = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(raw) if raw.isdigit() and int(raw) > 0 else dist.world_size
+
+
+def cpu_kv_budget(available: int, shards_on_host: int) -> int:
+    """One CPU shard's KV bytes. The shards of a host warm up at once, so
+    each sees the same MemAvailable: they split one budget rather than each
+    taking the fraction of all of it (3 shards once took 90% of the RAM)."""
+    return int(available * CPU_KV_FRACTION) // max(shards_on_host, 1)
 
 
 @dataclass
@@ -247,7 +262,10 @@ class ModelRunner:
         sampled = [(w, first + count - 1) for w, (first, count) in zip(batch.work, batch.logits_rows) if w.samples]
         if not sampled:
             return []
-        rows = [sampling.SamplingRow(w.state.params, w.state.token_ids, w.state.num_prompt_tokens) for w, _ in sampled]
+        rows = [
+            sampling.SamplingRow(w.state.params, w.state.token_ids, w.state.num_prompt_tokens, w.state.logit_bias)
+            for w, _ in sampled
+        ]
         chosen = logits[[row for _, row in sampled]]
         if constrained:
             # On CUDA the forward pass may still be running: the masks are
@@ -296,7 +314,7 @@ class ModelRunner:
         elif kv_cache_bytes:
             budget = kv_cache_bytes
         else:
-            budget = int(available_ram_bytes() * CPU_KV_FRACTION)
+            budget = cpu_kv_budget(available_ram_bytes(), local_world_size(self.dist))
         # Every rank holds the same block ids, so all use the smallest count.
         num_blocks = self.dist.min_over_ranks(max(budget, 0) // per_block)
         needed = -(-max_total_tokens // self.block_size)

@@ -27,10 +27,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Callable
 
 import grpc
 
 from sluice_server import constraints, telemetry
+from sluice_server.faults import Faults
 from sluice_server.batch import CheckedStep, InvalidStep, ShardLimits, RequestState, check_step
 from sluice_server.model_runner import KVBudgetError, ModelRunner, StepOutput
 from sluice_server.pb import shard_pb2, shard_pb2_grpc
@@ -43,8 +45,11 @@ class NotWarmedUp(RuntimeError):
 
 
 class Shard:
-    def __init__(self, runner: ModelRunner, urls: list[str], kv_cache_bytes: int | None = None):
+    def __init__(
+        self, runner: ModelRunner, urls: list[str], kv_cache_bytes: int | None = None, faults: Faults | None = None
+    ):
         self.runner = runner
+        self.faults = faults or Faults()
         self.urls = urls
         self.kv_cache_bytes = kv_cache_bytes
         self.requests: dict[int, RequestState] = {}
@@ -116,6 +121,7 @@ class Shard:
             return response
 
         t1 = time.perf_counter()
+        self.faults.before_forward()
         output = self.runner.run_step(checked.work, constrained=bool(self.constrained) or arriving_constrained)
         t2 = time.perf_counter()
         self._commit(checked.new_states, output, response)
@@ -181,15 +187,25 @@ class Shard:
 
 
 class ShardServicer(shard_pb2_grpc.ShardServicer):
-    def __init__(self, shard: Shard):
+    """`fatal` is called (once) when the shard cannot go on: with several
+    ranks, a model call that failed past validation may have left this rank's
+    collectives out of step with the others', so the only safe move is to end
+    the whole group (the process exits non-zero, the launcher stops the rest).
+    """
+
+    def __init__(self, shard: Shard, fatal: Callable[[str], None] = lambda reason: None):
         self.shard = shard
-        # One model call at a time: steps, warmup and health probes share the cache.
+        self.fatal = fatal
+        # One model call at a time: steps, warmup and health probes share the
+        # cache and, with several ranks, the order of the collectives. The
+        # lock is held until the worker thread is done, even when the caller
+        # went away (see `_finish`).
         self.lock = asyncio.Lock()
 
     async def _run(self, context, fn, *args):
         async with self.lock:
             try:
-                return await asyncio.to_thread(fn, *args)
+                return await _finish(asyncio.ensure_future(asyncio.to_thread(fn, *args)))
             except InvalidStep as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             except NotWarmedUp as e:
@@ -199,7 +215,10 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             except Exception as e:  # noqa: BLE001 - the server keeps serving
-                log.exception("%s failed", getattr(fn, "__name__", fn))
+                name = getattr(fn, "__name__", fn)
+                log.exception("%s failed", name)
+                if self.shard.runner.dist.is_parallel:
+                    self.fatal(f"{name} failed on a tensor-parallel rank: {type(e).__name__}: {e}")
                 await context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
 
     async def Info(self, request, context):
@@ -225,3 +244,27 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         async with self.lock:
             self.shard.clear()
         return shard_pb2.ClearCacheResponse()
+
+
+async def _finish(work: asyncio.Future):
+    """Awaits `work` (a model call on a worker thread) to its end.
+
+    grpc.aio cancels a handler whose caller went away (the router drops the
+    other ranks' calls when one rank fails). The thread cannot be stopped and
+    may be inside a collective; letting the cancellation through would
+    release the model lock while it runs, and the next Step would then share
+    the KV cache with it and issue its collectives out of order. So the
+    cancellation waits for the thread, then propagates.
+    """
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(work)
+            break
+        except asyncio.CancelledError:
+            if work.done():
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result

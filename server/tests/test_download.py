@@ -315,3 +315,20 @@ def test_converted_weights_match_the_gguf(smollm2_dir, smollm2_gguf):
         )
         expected = direct(ids).logits
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_index_file_names_stay_inside_the_model_folder(tmp_path):
+    """model.safetensors.index.json comes from the repository: its file names
+    must not reach outside the folder (absolute paths, `..`, other files)."""
+    import json
+
+    from sluice_server.models import safetensors_files
+
+    index = tmp_path / "model.safetensors.index.json"
+    good = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    index.write_text(json.dumps({"weight_map": good}))
+    assert [p.name for p in safetensors_files(tmp_path)] == sorted(good.values())
+    for bad in ("/etc/passwd.safetensors", "../outside.safetensors", "sub/../../x.safetensors", "config.json", 7):
+        index.write_text(json.dumps({"weight_map": {"a": bad}}))
+        with pytest.raises(ValueError, match="inside the model folder"):
+            safetensors_files(tmp_path)

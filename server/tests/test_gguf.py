@@ -125,3 +125,41 @@ def test_a_broken_gguf_fails_before_converting(tmp_path, monkeypatch):
     with pytest.raises(ModelResolutionError, match="broken.gguf is damaged or cut short"):
         resolve_model(str(path), cache_dir=str(tmp_path / "cache"))
     assert not (tmp_path / "cache").exists()
+
+
+def test_an_interrupted_conversion_removes_its_temporary_folder(tmp_path, monkeypatch):
+    """SIGTERM reaches the converter as KeyboardInterrupt (cli.download_weights)."""
+    path = write_gguf(tmp_path / "tiny.gguf", "llama", {"token_embd.weight": np.zeros((4, 32), np.float32)})
+    cache = tmp_path / "cache"
+
+    def interrupted(gguf_path, folder):
+        assert folder.is_dir()
+        (folder / "model.safetensors").write_bytes(b"\0" * 1024)
+        raise KeyboardInterrupt("SIGTERM")
+
+    monkeypatch.setattr(gguf_convert, "_write_folder", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        gguf_convert.convert_gguf(path, cache)
+    assert list(cache.iterdir()) == []
+
+
+def test_temporary_folders_of_dead_conversions_on_this_host_are_removed(tmp_path):
+    import os
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    host = gguf_convert._host()
+    cache = tmp_path / "cache"
+    folders = {
+        "dead": cache / f".tmp-m-0123456789abcdef-{host}-{dead.pid}",
+        "alive": cache / f".tmp-m-0123456789abcdef-{host}-{os.getpid()}",
+        "other host": cache / f".tmp-m-0123456789abcdef-elsewhere-{dead.pid}",
+        "converted": cache / "m-0123456789abcdef",
+    }
+    for folder in folders.values():
+        folder.mkdir(parents=True)
+    assert gguf_convert.remove_stale_tmp(cache) == [folders["dead"]]
+    assert sorted(p.name for p in cache.iterdir()) == sorted(
+        folders[k].name for k in ("alive", "other host", "converted")
+    )

@@ -198,6 +198,12 @@ def test_clear_cache_drops_requests(stub):
     assert code_of(lambda: stub.Step(step)) == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_socket_is_private(server):
+    """Only this user may connect: a shard obeys whoever calls it."""
+    _, _, uds = server
+    assert os.stat(f"{uds}-0").st_mode & 0o777 == 0o600
+
+
 def test_sigterm_exits_cleanly(server, stub):
     """Runs last: the server stops on SIGTERM with status 0 and removes its socket."""
     proc, _, uds = server
@@ -224,6 +230,24 @@ def test_warmup_sizes_cache_from_kv_cache_bytes(model_dir):
     shard.kv_cache_bytes = 3 * per_block  # 12 slots < one request of 32 tokens
     with pytest.raises(KVBudgetError):
         shard.warmup(shard_pb2.WarmupRequest(max_batch_prefill_tokens=40, max_batch_size=4, max_total_tokens=32))
+
+
+def test_cpu_shards_of_one_host_share_one_kv_budget(model_dir, monkeypatch):
+    """Without --kv-cache-bytes the shards of a host split 30% of MemAvailable
+    (they warm up at once and would each see the same free memory)."""
+    from sluice_server import model_runner
+    from sluice_server.servicer import Shard
+
+    runner = model_runner.ModelRunner(model_dir, block_size=BLOCK)
+    per_block = runner.bytes_per_block()
+    monkeypatch.setattr(model_runner, "available_ram_bytes", lambda: 3000 * per_block)
+    warm = shard_pb2.WarmupRequest(max_batch_prefill_tokens=40, max_batch_size=4, max_total_tokens=32)
+    blocks = {}
+    for shards in ("1", "3"):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", shards)
+        blocks[shards] = Shard(runner, urls=[]).warmup(warm).num_blocks
+    assert blocks == {"1": 900, "3": 300}
+    assert model_runner.cpu_kv_budget(10_000, 4) == 750
 
 
 def test_logprobs_match_reference(model_dir):

@@ -66,11 +66,21 @@ def safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [folder / n for n in names]
+        return [folder / _confined(n, index) for n in names]
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors weights in {folder}")
     return files
+
+
+def _confined(name: str, index: Path) -> str:
+    """A file name from the index, if it names a .safetensors file inside
+    the folder. The check is on the name, not the resolved path: in the Hub
+    cache every file is a symlink into ../../blobs."""
+    if not isinstance(name, str) or not name.endswith(".safetensors") or Path(name).is_absolute() \
+            or ".." in Path(name).parts:
+        raise ValueError(f"{index.name} lists {name!r}: weight files must be .safetensors files inside the model folder")
+    return name
 
 
 def _target(model: nn.Module, name: str) -> tuple[str, int]:
