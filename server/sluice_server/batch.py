@@ -44,6 +44,8 @@ class RequestState:
     prompt_logprobs: list[tuple[int, float]] | None = None
     # The request's output constraint (constraints.Grammar), when it has one.
     grammar: object | None = None
+    # params.logit_bias as tensors (sampling.logit_bias_tensors), built once.
+    logit_bias: object | None = None
 
 
 @dataclass
@@ -151,6 +153,7 @@ def check_step(requests: dict[int, RequestState], step: shard_pb2.StepRequest, l
         if problem is not None:
             checked.errors.append((req.id, problem))
             continue
+        state.logit_bias = sampling.logit_bias_tensors(req.params)
         checked.new_states.append(state)
         checked.work.append(Work(state, state.num_computed_tokens, req.num_new_tokens, state.block_ids))
     for sched in step.scheduled:

@@ -440,3 +440,19 @@ def test_check_params_accepts_neutral_and_typical_values():
 def test_shape_mismatch_is_an_error(logits):
     with pytest.raises(ValueError, match="rows"):
         sample(logits, [row(params())], [EOS])
+
+
+def test_logit_bias_built_once_per_request_matches_the_params(logits):
+    """The shard builds a request's bias tensors when it arrives
+    (batch.check_step); a step then scatters every row's biases at once."""
+    from sluice_server.sampling import logit_bias_tensors
+
+    p = params(logit_bias={3: 5.0, 17: -2.5, 40: 100.0}, logprobs=True, top_n_tokens=4)
+    assert logit_bias_tensors(params()) is None
+    ids, values = logit_bias_tensors(p)
+    assert ids.tolist() == [3, 17, 40] and values.tolist() == [5.0, -2.5, 100.0]
+    n = logits.shape[0]
+    plain = sample(logits, [row(p) for _ in range(n)], [EOS])
+    prebuilt = [SamplingRow(p, [1, 2], 2, logit_bias_tensors(p)) for _ in range(n)]
+    assert sample(logits, prebuilt, [EOS]) == plain
+    assert all(r.token_id == 40 for r in plain)
