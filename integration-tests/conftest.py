@@ -121,9 +121,11 @@ PORT_TAKEN = ("already in use", "Address already in use", "cannot listen on")
 
 
 def start_launcher(*args: str, env: dict | None = None, wait_ready: bool = True, tmp: Path,
-                   attempts: int = 3) -> Launcher:
+                   attempts: int = 3, private_sockets: bool = False) -> Launcher:
+    """private_sockets: leave --shard-uds-path out (the launcher makes a
+    private folder; `uds_path` is then empty)."""
     for attempt in range(attempts):
-        launcher = _launch(args, env, tmp)
+        launcher = _launch(args, env, tmp, private_sockets)
         if not wait_ready:
             return launcher
         error = _wait_ready(launcher)
@@ -137,14 +139,14 @@ def start_launcher(*args: str, env: dict | None = None, wait_ready: bool = True,
     raise AssertionError("unreachable")
 
 
-def _launch(args, env: dict | None, tmp: Path) -> Launcher:
+def _launch(args, env: dict | None, tmp: Path, private_sockets: bool) -> Launcher:
     port = free_port()
-    uds = str(tmp / "shard")
+    uds = "" if private_sockets else str(tmp / "shard")
     cmd = [
         find_executable("sluice-launcher"),
         "--port", str(port),
         "--hostname", "127.0.0.1",
-        "--shard-uds-path", uds,
+        *([] if private_sockets else ["--shard-uds-path", uds]),
         "--master-port", str(free_port()),
         *args,
     ]

@@ -91,9 +91,10 @@ pub struct Args {
     #[arg(long, short, env = "PORT", default_value_t = 8080)]
     pub port: u16,
 
-    /// Base path of the shards' unix sockets; shard RANK listens on PATH-RANK.
-    #[arg(long, env = "SHARD_UDS_PATH", default_value = "/tmp/sluice-server")]
-    pub shard_uds_path: String,
+    /// Base path of the shards' unix sockets; shard RANK listens on PATH-RANK. Default: a
+    /// private folder (mode 0700) made for this run under $XDG_RUNTIME_DIR or the temp dir.
+    #[arg(long, env = "SHARD_UDS_PATH")]
+    pub shard_uds_path: Option<String>,
 
     /// torch.distributed rendezvous address of the shards.
     #[arg(long, env = "MASTER_ADDR", default_value = "localhost")]
@@ -155,6 +156,12 @@ pub struct Args {
     /// Default: chosen from the chat template.
     #[arg(long, env = "TOOL_CALL_PARSER", value_parser = ["hermes", "llama3_json", "mistral"])]
     pub tool_call_parser: Option<String>,
+
+    /// Seconds one step may take before the shards count as stuck: in-flight requests fail
+    /// and the server exits non-zero, to be restarted. Default: the router's (120 s; the
+    /// first steps after warmup, which may compile kernels, get 600 s).
+    #[arg(long, env = "STEP_TIMEOUT", value_parser = clap::value_parser!(u32).range(1..))]
+    pub step_timeout: Option<u32>,
 
     /// Seconds the router may spend finishing in-flight requests after SIGTERM/SIGINT.
     #[arg(long, env = "SHUTDOWN_TIMEOUT", default_value_t = 30)]
@@ -247,11 +254,6 @@ impl Args {
         }
         format!("{shown:#?}")
     }
-
-    /// `{shard_uds_path}-{rank}`: the socket file shard `rank` listens on.
-    pub fn shard_socket(&self, rank: u32) -> PathBuf {
-        PathBuf::from(format!("{}-{rank}", self.shard_uds_path))
-    }
 }
 
 /// Serializes the tests that read the process environment (every parse does)
@@ -289,8 +291,7 @@ mod tests {
         assert_eq!(a.block_size, 16);
         assert!(a.prefix_caching());
         assert_eq!(a.port, 8080);
-        assert_eq!(a.shard_uds_path, "/tmp/sluice-server");
-        assert_eq!(a.shard_socket(3), PathBuf::from("/tmp/sluice-server-3"));
+        assert_eq!(a.shard_uds_path, None);
         assert_eq!(a.master_addr, "localhost");
         assert_eq!(a.master_port, 29500);
         assert_eq!(a.shutdown_timeout, 30);
@@ -314,7 +315,7 @@ mod tests {
             "--payload-limit", "10", "--max-stop-sequences", "2", "--max-top-n-tokens", "3",
             "--served-model-name", "m", "--chat-template", "t.jinja", "--shutdown-timeout", "5",
             "--tool-call-parser", "llama3_json", "--trust-remote-code", "--kv-cache-bytes", "1000000", "--hourly-cost", "1.5",
-            "--cost-window-secs", "30",
+            "--cost-window-secs", "30", "--step-timeout", "45",
         ])
         .unwrap();
         assert_eq!(a.model_to_resolve(), "org/name");
@@ -326,6 +327,7 @@ mod tests {
         assert_eq!(a.cors_allow_origin, vec!["http://a", "http://b"]);
         assert_eq!(a.kv_cache_bytes, Some(1_000_000));
         assert_eq!((a.hourly_cost, a.cost_window_secs), (Some(1.5), Some(30)));
+        assert_eq!(a.step_timeout, Some(45));
         assert!(a.json_output && a.trust_remote_code);
         assert_eq!(a.tool_call_parser.as_deref(), Some("llama3_json"));
     }

@@ -113,12 +113,14 @@ impl Child {
         self.tail.lines()
     }
 
-    /// Sends `signal` to the child's process group, unless it was reaped
-    /// already (its pid may then belong to someone else).
+    /// Sends `signal` to the child's process group: the child and what it
+    /// started (workers of a shard). A group outlives its leader while any
+    /// member lives, and the kernel does not hand out a pid that still names
+    /// a group, so this is sent even after the leader was reaped; an empty
+    /// group (ESRCH) is ignored. Signals are sent only while the launcher
+    /// stops, seconds after any child exited.
     pub fn signal(&self, signal: Signal) {
-        if !self.has_exited() {
-            let _ = killpg(self.pid, signal);
-        }
+        let _ = killpg(self.pid, signal);
     }
 
     async fn wait(&self) {
@@ -205,8 +207,9 @@ impl Children {
         }
     }
 
-    /// SIGTERM to the children `which` selects, then SIGKILL to those still
-    /// alive after `grace`. Returns when all of them are gone.
+    /// SIGTERM to the process groups of the children `which` selects, then
+    /// SIGKILL to those still alive after `grace`. Returns when all of them
+    /// are gone; whatever they left behind in their groups is killed then.
     pub async fn stop(&self, which: impl Fn(&Child) -> bool, grace: Duration) {
         let selected: Vec<&Child> = self.children.iter().filter(|c| which(c)).collect();
         for child in &selected {
@@ -219,6 +222,9 @@ impl Children {
                 child.signal(Signal::SIGKILL);
             }
             wait_all(&selected).await;
+        }
+        for child in &selected {
+            child.signal(Signal::SIGKILL);
         }
     }
 

@@ -15,6 +15,7 @@
 //! - `exe`       where `sluice-server` / `sluice-router` are found;
 //! - `resolve`   step 1: model id -> local folder;
 //! - `shard`     step 2: shard commands, stale sockets, gRPC Health;
+//! - `sockets`   where the shard sockets live (a private folder by default);
 //! - `router`    step 3: router command, port check, HTTP health;
 //! - `supervise` the whole life: start in order, watch, stop in order;
 //! - `children`  spawning (parent-death signal, process groups), output
@@ -28,6 +29,7 @@ mod log;
 mod resolve;
 mod router;
 mod shard;
+mod sockets;
 mod supervise;
 
 use std::process::ExitCode;

@@ -7,7 +7,12 @@
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
+use std::future::Future;
+use std::time::Duration;
+
 use anyhow::{bail, Context, Result};
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 
@@ -16,6 +21,9 @@ use crate::children::{forward_lines, harden, Tail};
 use crate::log::ChildLines;
 
 const SOURCE: &str = "download-weights";
+
+/// How long download-weights gets after SIGTERM to remove its temporary files.
+const CLEANUP_GRACE: Duration = Duration::from_secs(10);
 
 /// The model the shards and the router will load.
 #[derive(Debug, Clone)]
@@ -42,7 +50,15 @@ pub fn command(server: &Path, args: &Args) -> Command {
     command
 }
 
-pub async fn resolve(server: &Path, args: &Args, lines: ChildLines) -> Result<Model> {
+/// Resolves the model, unless `interrupt` (a signal) comes first: then
+/// download-weights gets SIGTERM and a moment to clean up (a half-converted
+/// .gguf folder is gigabytes), and `None` is returned.
+pub async fn resolve(
+    server: &Path,
+    args: &Args,
+    lines: ChildLines,
+    interrupt: impl Future<Output = &'static str>,
+) -> Result<Option<Model>> {
     let model_id = args.model_to_resolve();
     tracing::info!("Resolving model `{model_id}`");
     let mut command = command(server, args);
@@ -51,7 +67,27 @@ pub async fn resolve(server: &Path, args: &Args, lines: ChildLines) -> Result<Mo
     let mut child = command
         .spawn()
         .with_context(|| format!("cannot start `{}`", server.display()))?;
+    let pid = child.id().map(|id| Pid::from_raw(id as i32));
+    let sig = tokio::select! {
+        model = finish(&mut child, model_id, args, lines) => return model.map(Some),
+        sig = interrupt => sig,
+    };
+    tracing::info!("Received {sig} while resolving the model; stopping download-weights");
+    if let Some(pid) = pid {
+        let _ = killpg(pid, Signal::SIGTERM);
+    }
+    if tokio::time::timeout(CLEANUP_GRACE, child.wait()).await.is_err() {
+        tracing::warn!("download-weights did not stop within {CLEANUP_GRACE:?}; killing it");
+    }
+    // Whatever is left of its process group goes too.
+    if let Some(pid) = pid {
+        let _ = killpg(pid, Signal::SIGKILL);
+    }
+    Ok(None)
+}
 
+/// Reads download-weights' output to its end; the folder it printed last.
+async fn finish(child: &mut tokio::process::Child, model_id: &str, args: &Args, lines: ChildLines) -> Result<Model> {
     let tail = Tail::default();
     let stderr = tokio::spawn(forward_lines(
         child.stderr.take().expect("stderr is piped"),

@@ -32,11 +32,11 @@ pub fn check_port_free(args: &Args) -> Result<()> {
         })
 }
 
-pub fn command(router: &Path, args: &Args, model_dir: &Path, model_name: &str) -> Command {
+pub fn command(router: &Path, args: &Args, master_socket: &Path, model_dir: &Path, model_name: &str) -> Command {
     let mut command = Command::new(router);
     command
         .arg("--master-shard-uds-path")
-        .arg(args.shard_socket(0))
+        .arg(master_socket)
         .arg("--tokenizer")
         .arg(model_dir)
         .arg("--model-id")
@@ -61,6 +61,7 @@ pub fn command(router: &Path, args: &Args, model_dir: &Path, model_name: &str) -
         ("--max-batch-prefill-tokens", args.max_batch_prefill_tokens),
         ("--max-batch-total-tokens", args.max_batch_total_tokens),
         ("--max-batch-size", args.max_batch_size),
+        ("--step-timeout", args.step_timeout),
     ];
     for (flag, value) in optional_numbers {
         if let Some(value) = value {
@@ -78,7 +79,6 @@ pub fn command(router: &Path, args: &Args, model_dir: &Path, model_name: &str) -
         ("--served-model-name", &args.served_model_name),
         ("--chat-template", &args.chat_template),
         ("--tool-call-parser", &args.tool_call_parser),
-        ("--api-key", &args.api_key),
         ("--otlp-endpoint", &args.otlp_endpoint),
         ("--otlp-service-name", &args.otlp_service_name),
     ];
@@ -87,6 +87,12 @@ pub fn command(router: &Path, args: &Args, model_dir: &Path, model_name: &str) -
             command.arg(flag).arg(value);
         }
     }
+    // Through the environment: a command line is readable by every local
+    // user (/proc/PID/cmdline), the environment only by this one.
+    match &args.api_key {
+        Some(key) => command.env("API_KEY", key),
+        None => command.env_remove("API_KEY"),
+    };
     for origin in &args.cors_allow_origin {
         command.arg("--cors-allow-origin").arg(origin);
     }
@@ -151,13 +157,23 @@ mod tests {
     use super::*;
     use crate::args::test_args;
 
-    fn argv(args: &[&str]) -> Vec<String> {
+    fn router_command(args: &[&str]) -> Command {
         let args = test_args(args);
-        command(Path::new("r"), &args, Path::new("/model"), "org/m")
-            .as_std()
-            .get_args()
-            .map(|a| a.to_string_lossy().into_owned())
-            .collect()
+        command(Path::new("r"), &args, Path::new("/tmp/sluice-server-0"), Path::new("/model"), "org/m")
+    }
+
+    fn argv(args: &[&str]) -> Vec<String> {
+        router_command(args).as_std().get_args().map(|a| a.to_string_lossy().into_owned()).collect()
+    }
+
+    #[test]
+    fn the_api_key_goes_through_the_environment_not_the_command_line() {
+        let command = router_command(&["--api-key", "s3cret"]);
+        assert!(!command.as_std().get_args().any(|a| a.to_string_lossy().contains("s3cret")));
+        let env: Vec<_> = command.as_std().get_envs().collect();
+        assert!(env.contains(&(std::ffi::OsStr::new("API_KEY"), Some(std::ffi::OsStr::new("s3cret")))));
+        let command = router_command(&[]);
+        assert!(command.as_std().get_envs().any(|(k, v)| k == "API_KEY" && v.is_none()));
     }
 
     #[test]
@@ -180,16 +196,16 @@ mod tests {
             "--max-batch-total-tokens", "40", "--max-batch-size", "5", "--served-model-name", "m",
             "--chat-template", "{{x}}", "--tool-call-parser", "mistral", "--api-key", "k", "--otlp-endpoint",
             "http://o", "--otlp-service-name", "s", "--cors-allow-origin", "http://a,http://b", "--no-prefix-caching", "--json-output", "--hourly-cost", "2.75",
-            "--cost-window-secs", "30",
+            "--cost-window-secs", "30", "--step-timeout", "9",
         ]);
         let tail = &got[20..];
         assert_eq!(
             tail,
             [
                 "--max-input-tokens", "10", "--max-total-tokens", "20", "--max-batch-prefill-tokens", "30",
-                "--max-batch-total-tokens", "40", "--max-batch-size", "5", "--hourly-cost", "2.75",
+                "--max-batch-total-tokens", "40", "--max-batch-size", "5", "--step-timeout", "9", "--hourly-cost", "2.75",
                 "--cost-window-secs", "30", "--served-model-name", "m",
-                "--chat-template", "{{x}}", "--tool-call-parser", "mistral", "--api-key", "k",
+                "--chat-template", "{{x}}", "--tool-call-parser", "mistral",
                 "--otlp-endpoint", "http://o", "--otlp-service-name", "s", "--cors-allow-origin", "http://a", "--cors-allow-origin", "http://b",
                 "--no-prefix-caching", "--json-output",
             ]

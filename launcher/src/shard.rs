@@ -17,6 +17,7 @@ use tokio::process::Command;
 use tonic::transport::{Endpoint, Uri};
 
 use crate::args::{Args, Device};
+use crate::sockets::ShardSockets;
 
 const POLL_INTERVAL: Duration = Duration::from_millis(200);
 /// One Health call: a forward pass, the first of which may be slow on CUDA
@@ -36,13 +37,13 @@ fn cpu_threads_per_shard(cores: usize, num_shard: u32) -> usize {
     (cores / num_shard.max(1) as usize).max(1)
 }
 
-pub fn command(server: &Path, args: &Args, model_dir: &Path, rank: u32) -> Command {
+pub fn command(server: &Path, args: &Args, sockets: &ShardSockets, model_dir: &Path, rank: u32) -> Command {
     let mut command = Command::new(server);
     command
         .arg("serve")
         .arg(model_dir)
         .arg("--uds-path")
-        .arg(&args.shard_uds_path)
+        .arg(sockets.base())
         .arg("--block-size")
         .arg(args.block_size.to_string());
     let device = device_name(args.device, gpu_present());
@@ -71,7 +72,9 @@ pub fn command(server: &Path, args: &Args, model_dir: &Path, rank: u32) -> Comma
         .env("WORLD_SIZE", args.num_shard.to_string())
         .env("LOCAL_WORLD_SIZE", args.num_shard.to_string())
         .env("MASTER_ADDR", &args.master_addr)
-        .env("MASTER_PORT", args.master_port.to_string());
+        .env("MASTER_PORT", args.master_port.to_string())
+        // The router's alone: a shard has no use for it.
+        .env_remove("API_KEY");
     command
 }
 
@@ -105,9 +108,9 @@ pub fn gpu_present() -> bool {
 /// Removes socket files left by an earlier run, so that a shard can bind and
 /// "the socket exists" means "this run's shard made it". Refuses to touch a
 /// path that is not a socket, or a socket some live server still answers on.
-pub fn remove_stale_sockets(args: &Args) -> Result<()> {
-    for rank in 0..args.num_shard {
-        let path = args.shard_socket(rank);
+pub fn remove_stale_sockets(num_shard: u32, sockets: &ShardSockets) -> Result<()> {
+    for rank in 0..num_shard {
+        let path = sockets.socket(rank);
         let Ok(meta) = std::fs::symlink_metadata(&path) else { continue };
         if !meta.file_type().is_socket() {
             bail!("{} exists and is not a socket; choose another --shard-uds-path", path.display());
@@ -130,8 +133,8 @@ pub fn remove_stale_sockets(args: &Args) -> Result<()> {
 /// With several shards a Health call runs a forward pass, a collective over
 /// all ranks: rank 0 answers only once every rank got its call. So the calls
 /// go to all ranks at once, and only when every socket exists.
-pub async fn wait_all_healthy(args: &Args) {
-    let sockets: Vec<PathBuf> = (0..args.num_shard).map(|rank| args.shard_socket(rank)).collect();
+pub async fn wait_all_healthy(num_shard: u32, sockets: &ShardSockets) {
+    let sockets: Vec<PathBuf> = (0..num_shard).map(|rank| sockets.socket(rank)).collect();
     loop {
         if sockets.iter().all(|s| s.exists()) && all_healthy(&sockets).await {
             return;
@@ -186,6 +189,12 @@ mod tests {
     use super::*;
     use crate::args::test_args;
 
+    fn sockets(args: &Args) -> ShardSockets {
+        let mut args = args.clone();
+        args.shard_uds_path.get_or_insert_with(|| "/tmp/sluice-server".into());
+        ShardSockets::new(&args).unwrap()
+    }
+
     fn argv(cmd: &Command) -> Vec<String> {
         cmd.as_std().get_args().map(|a| a.to_string_lossy().into_owned()).collect()
     }
@@ -200,7 +209,7 @@ mod tests {
     #[test]
     fn optional_flags_are_passed_only_when_set() {
         let args = test_args(&[]);
-        let cmd = command(Path::new("srv"), &args, Path::new("/m"), 0);
+        let cmd = command(Path::new("srv"), &args, &sockets(&args), Path::new("/m"), 0);
         let device = device_name(Device::Auto, gpu_present());
         assert_eq!(argv(&cmd), ["serve", "/m", "--uds-path", "/tmp/sluice-server", "--block-size", "16", "--device", device]);
 
@@ -208,7 +217,7 @@ mod tests {
             "--dtype", "float16", "--device", "cpu", "--kv-cache-bytes", "1024", "--json-output",
             "--block-size", "32", "--shard-uds-path", "/s",
         ]);
-        let cmd = command(Path::new("srv"), &args, Path::new("/m"), 0);
+        let cmd = command(Path::new("srv"), &args, &sockets(&args), Path::new("/m"), 0);
         assert_eq!(
             argv(&cmd),
             ["serve", "/m", "--uds-path", "/s", "--block-size", "32", "--device", "cpu", "--dtype", "float16",
@@ -219,14 +228,14 @@ mod tests {
     #[test]
     fn tracing_flags_reach_the_shards() {
         let args = test_args(&["--otlp-endpoint", "http://c:4317", "--device", "cpu"]);
-        let cmd = command(Path::new("srv"), &args, Path::new("/m"), 1);
+        let cmd = command(Path::new("srv"), &args, &sockets(&args), Path::new("/m"), 1);
         let argv = argv(&cmd);
         assert_eq!(
             argv[argv.len() - 4..],
             ["--otlp-endpoint", "http://c:4317", "--otlp-service-name", "sluice-shard"]
         );
         let args = test_args(&["--otlp-endpoint", "http://c:4317", "--otlp-service-name", "llm"]);
-        let cmd = command(Path::new("srv"), &args, Path::new("/m"), 0);
+        let cmd = command(Path::new("srv"), &args, &sockets(&args), Path::new("/m"), 0);
         assert_eq!(argv_last(&cmd), "llm-shard");
     }
 
@@ -248,23 +257,26 @@ mod tests {
         assert_eq!(cpu_threads_per_shard(2, 2), 1);
         assert_eq!(cpu_threads_per_shard(2, 4), 1);
         let args = test_args(&["--num-shard", "2", "--device", "cpu"]);
-        let cmd = command(Path::new("srv"), &args, Path::new("/m"), 0);
+        let cmd = command(Path::new("srv"), &args, &sockets(&args), Path::new("/m"), 0);
         let argv: Vec<String> = cmd.as_std().get_args().map(|a| a.to_string_lossy().into_owned()).collect();
         let at = argv.iter().position(|a| a == "--num-threads").expect("--num-threads passed");
         assert_eq!(argv[at + 1], cpu_threads_per_shard(available_cores(), 2).to_string());
-        let single = command(Path::new("srv"), &test_args(&["--device", "cpu"]), Path::new("/m"), 0);
+        let args = test_args(&["--device", "cpu"]);
+        let single = command(Path::new("srv"), &args, &sockets(&args), Path::new("/m"), 0);
         assert!(!single.as_std().get_args().any(|a| a == "--num-threads"), "one shard keeps torch's default");
     }
 
     #[test]
     fn each_rank_gets_the_torch_distributed_environment() {
         let args = test_args(&["--num-shard", "4", "--master-addr", "10.1.2.3", "--master-port", "29777"]);
-        let cmd = command(Path::new("srv"), &args, Path::new("/m"), 2);
+        let cmd = command(Path::new("srv"), &args, &sockets(&args), Path::new("/m"), 2);
         assert_eq!(env(&cmd, "RANK").as_deref(), Some("2"));
         assert_eq!(env(&cmd, "LOCAL_RANK").as_deref(), Some("2"));
         assert_eq!(env(&cmd, "WORLD_SIZE").as_deref(), Some("4"));
         assert_eq!(env(&cmd, "MASTER_ADDR").as_deref(), Some("10.1.2.3"));
         assert_eq!(env(&cmd, "MASTER_PORT").as_deref(), Some("29777"));
+        let api_key_removed = cmd.as_std().get_envs().any(|(k, v)| k == "API_KEY" && v.is_none());
+        assert!(api_key_removed, "shards never see the API key");
     }
 
     #[test]
@@ -274,21 +286,22 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let base = dir.join("s").to_string_lossy().into_owned();
         let args = test_args(&["--num-shard", "2", "--shard-uds-path", &base]);
+        let sockets = sockets(&args);
 
         // A socket whose server is gone leaves its file behind.
-        drop(std::os::unix::net::UnixListener::bind(args.shard_socket(0)).unwrap());
-        remove_stale_sockets(&args).unwrap();
-        assert!(!args.shard_socket(0).exists());
+        drop(std::os::unix::net::UnixListener::bind(sockets.socket(0)).unwrap());
+        remove_stale_sockets(2, &sockets).unwrap();
+        assert!(!sockets.socket(0).exists());
 
-        let live = std::os::unix::net::UnixListener::bind(args.shard_socket(1)).unwrap();
-        let err = remove_stale_sockets(&args).unwrap_err().to_string();
+        let live = std::os::unix::net::UnixListener::bind(sockets.socket(1)).unwrap();
+        let err = remove_stale_sockets(2, &sockets).unwrap_err().to_string();
         assert!(err.contains("another server is listening"), "{err}");
-        assert!(args.shard_socket(1).exists());
+        assert!(sockets.socket(1).exists());
         drop(live);
 
-        std::fs::remove_file(args.shard_socket(1)).unwrap();
-        std::fs::write(args.shard_socket(1), "not a socket").unwrap();
-        let err = remove_stale_sockets(&args).unwrap_err().to_string();
+        std::fs::remove_file(sockets.socket(1)).unwrap();
+        std::fs::write(sockets.socket(1), "not a socket").unwrap();
+        let err = remove_stale_sockets(2, &sockets).unwrap_err().to_string();
         assert!(err.contains("is not a socket"), "{err}");
         std::fs::remove_dir_all(dir).unwrap();
     }

@@ -20,6 +20,7 @@ use crate::args::Args;
 use crate::children::{Children, Exited};
 use crate::exe::Executables;
 use crate::log::ChildLines;
+use crate::sockets::ShardSockets;
 use crate::{resolve, router, shard};
 
 /// How long the others get to stop after a child died; nothing is worth
@@ -70,18 +71,15 @@ pub async fn run(args: Args) -> Result<()> {
     let exes = Executables::find()?;
     router::check_port_free(&args)?;
 
-    let model = tokio::select! {
-        model = resolve::resolve(&exes.server, &args, lines) => model?,
-        sig = signals.recv() => {
-            tracing::info!("Received {sig} while resolving the model; exiting");
-            return Ok(());
-        }
+    let Some(model) = resolve::resolve(&exes.server, &args, lines, signals.recv()).await? else {
+        return Ok(());
     };
 
-    shard::remove_stale_sockets(&args)?;
+    let sockets = ShardSockets::new(&args)?;
+    shard::remove_stale_sockets(args.num_shard, &sockets)?;
     let mut children = Children::new(lines);
     for rank in 0..args.num_shard {
-        let command = shard::command(&exes.server, &args, &model.dir, rank);
+        let command = shard::command(&exes.server, &args, &sockets, &model.dir, rank);
         if let Err(e) = children.spawn(&shard::name(rank), command) {
             children.stop(|_| true, AFTER_FAILURE_GRACE).await;
             return Err(e);
@@ -92,12 +90,12 @@ pub async fn run(args: Args) -> Result<()> {
         args.num_shard,
         shard::device_name(args.device, shard::gpu_present())
     );
-    if let Some(interrupt) = until(&mut children, &mut signals, shard::wait_all_healthy(&args)).await {
+    if let Some(interrupt) = until(&mut children, &mut signals, shard::wait_all_healthy(args.num_shard, &sockets)).await {
         return end(interrupt, &children, &mut signals, &args, true).await;
     }
     tracing::info!("All shards answer Health; starting the router");
 
-    let command = router::command(&exes.router, &args, &model.dir, &model.name);
+    let command = router::command(&exes.router, &args, &sockets.socket(0), &model.dir, &model.name);
     if let Err(e) = children.spawn(router::NAME, command) {
         children.stop(|_| true, AFTER_FAILURE_GRACE).await;
         return Err(e);
@@ -140,7 +138,8 @@ async fn end(
 async fn child_failed(exited: Exited, children: &Children, starting: bool) -> Result<()> {
     let Exited { name, status } = exited;
     tracing::error!("{name} exited ({status}); stopping the others");
-    children.stop(|c| c.name != name, AFTER_FAILURE_GRACE).await;
+    // Its own group too: what it started may outlive it.
+    children.stop(|_| true, AFTER_FAILURE_GRACE).await;
     let tail = children.get(&name).map(|c| c.tail()).unwrap_or_default();
     if !tail.is_empty() {
         tracing::error!("Last {} lines of {name}:", tail.len());
