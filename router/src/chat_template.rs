@@ -63,6 +63,12 @@ pub struct ChatTemplate {
 
 const TEMPLATE_NAME: &str = "chat";
 
+/// Instructions one rendering may execute. Templates come from model
+/// repositories and GGUF files, and run on every chat request: a loop
+/// there must end in an error, not hold a worker. Real templates use a few
+/// hundred per message; this leaves room for thousands of messages.
+pub const RENDER_FUEL: u64 = 2_000_000;
+
 impl ChatTemplate {
     pub fn new(
         source: String,
@@ -72,6 +78,7 @@ impl ChatTemplate {
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
+        env.set_fuel(Some(RENDER_FUEL));
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
@@ -172,6 +179,9 @@ impl ChatTemplate {
                 ErrorKind::InvalidOperation => {
                     ChatTemplateError::Render(e.detail().unwrap_or("invalid messages").to_string())
                 }
+                ErrorKind::OutOfFuel => ChatTemplateError::Render(format!(
+                    "the chat template did not finish rendering these messages within {RENDER_FUEL} steps"
+                )),
                 _ => ChatTemplateError::Render(format!("chat template failed: {e}")),
             })
     }
@@ -421,5 +431,22 @@ mod tests {
             ChatTemplate::new("{% for %}".into(), None, None),
             Err(ChatTemplateError::Invalid(_))
         ));
+    }
+
+    /// A template that loops (from a hostile or broken model repository)
+    /// ends in an error instead of holding a worker.
+    #[test]
+    fn a_looping_template_runs_out_of_fuel() {
+        let t = ChatTemplate::new(
+            "{% for i in range(50000) %}{% for j in range(50000) %}{{ i }}{% endfor %}{% endfor %}".into(),
+            None,
+            None,
+        )
+        .unwrap();
+        match t.apply(&[], false) {
+            Err(ChatTemplateError::Render(message)) => assert!(message.contains("did not finish"), "{message}"),
+            Err(other) => panic!("unexpected error: {other}"),
+            Ok(text) => panic!("rendered {} bytes", text.len()),
+        }
     }
 }
