@@ -11,6 +11,10 @@
 //! SIGTERM/SIGINT: mark the router draining (new generation requests and
 //! readiness get 503), let in-flight requests finish for up to
 //! `--shutdown-timeout`, stop the HTTP server, exit 0.
+//!
+//! The scheduler failing (a step past `--step-timeout`, a panic) ends the
+//! router with exit status 1: the launcher then stops the shards and exits
+//! non-zero too, and an orchestrator restarts the whole server.
 
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -33,6 +37,10 @@ use crate::tool_calls::{ToolFormat, ToolParserKind};
 /// How long to keep retrying the first connection to rank 0 (the launcher
 /// may start the router while the shard is still binding its socket).
 const CONNECT_PATIENCE: Duration = Duration::from_secs(60);
+
+/// After the scheduler failed: how long open connections get to deliver the
+/// error to their clients before the router exits.
+const FAILURE_GRACE: Duration = Duration::from_secs(1);
 
 pub fn main() -> ExitCode {
     let config = RouterConfig::parse();
@@ -169,6 +177,8 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
         prefix_caching: !config.no_prefix_caching,
         eos_token_ids: shard_info.eos_token_ids.clone(),
         metrics_window: config.cost_window(),
+        step_deadline: config.step_deadline(),
+        panic_at_step: config.scheduler_panic_at().map_err(|e| e.to_string())?,
     };
     // The recorder first: the scheduler describes its series when it starts.
     let metrics = crate::metrics::install();
@@ -257,6 +267,7 @@ async fn serve(config: &RouterConfig, Started { infer, state }: Started) -> Resu
 
     let draining = state.draining.clone();
     let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel();
+    let scheduler = infer.clone();
     let shutdown = drain_on_signal(infer, draining, config.shutdown_timeout(), stopped_tx);
     let server = axum::serve(listener, app).with_graceful_shutdown(shutdown);
     // After the drain, connections still open (idle keep-alives, a stream
@@ -268,6 +279,13 @@ async fn serve(config: &RouterConfig, Started { infer, state }: Started) -> Resu
     tokio::select! {
         result = server => result.map_err(|e| format!("HTTP server failed: {e}"))?,
         () = forced_exit => tracing::warn!("connections still open after draining; closing them"),
+        failure = scheduler.failed() => {
+            // Crash-only: a router without a scheduler would answer 503
+            // forever while looking alive. The requests in flight already
+            // got their error; give their connections a moment to send it.
+            tokio::time::sleep(FAILURE_GRACE).await;
+            return Err(format!("{failure}; exiting so that the server is restarted"));
+        }
     }
     tracing::info!("shut down cleanly");
     Ok(())

@@ -7,6 +7,8 @@ use std::time::Duration;
 
 use clap::Parser;
 
+use crate::scheduler::StepDeadline;
+
 #[derive(Debug, Clone, Parser)]
 #[command(name = "sluice-router", version, about = "Sluice router: HTTP API in front of the model shards")]
 pub struct RouterConfig {
@@ -74,6 +76,17 @@ pub struct RouterConfig {
     /// Seconds in-flight requests get to finish after SIGTERM/SIGINT.
     #[arg(long, env = "SLUICE_SHUTDOWN_TIMEOUT", default_value_t = 30)]
     pub shutdown_timeout: u64,
+    /// Seconds one step may take before the shards count as stuck: in-flight
+    /// requests then fail and the router exits non-zero (the launcher stops
+    /// the server; an orchestrator restarts it).
+    #[arg(long, env = "SLUICE_STEP_TIMEOUT", default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..))]
+    pub step_timeout: u64,
+    /// --step-timeout of the first steps after warmup, which may compile kernels.
+    #[arg(long, env = "SLUICE_FIRST_STEPS_TIMEOUT", default_value_t = 600, value_parser = clap::value_parser!(u64).range(1..))]
+    pub first_steps_timeout: u64,
+    /// Fault injection for the fault tests; never set in production.
+    #[arg(long, env = "SLUICE_FAULT", hide = true)]
+    pub fault: Option<String>,
     /// Readiness fails when the shards made no progress for this many seconds.
     #[arg(long, env = "SLUICE_PROGRESS_TIMEOUT", default_value_t = 60)]
     pub progress_timeout: u64,
@@ -125,6 +138,8 @@ pub enum ConfigError {
     TotalAboveModel { total: u32, model: u32 },
     #[error("--{0} must be at least 1")]
     Zero(&'static str),
+    #[error("SLUICE_FAULT={0:?}: expected router-scheduler-panic:N (N >= 1) or a shard-... value")]
+    Fault(String),
 }
 
 /// Longest default sequence: keeps CPU warmup and KV reservations modest.
@@ -141,6 +156,28 @@ impl RouterConfig {
 
     pub fn cost_window(&self) -> Duration {
         Duration::from_secs(self.cost_window_secs)
+    }
+
+    pub fn step_deadline(&self) -> StepDeadline {
+        StepDeadline {
+            steady: Duration::from_secs(self.step_timeout),
+            first_steps: Duration::from_secs(self.first_steps_timeout),
+        }
+    }
+
+    /// `SLUICE_FAULT=router-scheduler-panic:N`: the scheduler panics before
+    /// its N-th step. Values for the shards (`shard-...`) are theirs.
+    pub fn scheduler_panic_at(&self) -> Result<Option<u64>, ConfigError> {
+        let Some(fault) = self.fault.as_deref().map(str::trim).filter(|f| !f.is_empty()) else {
+            return Ok(None);
+        };
+        if fault.starts_with("shard-") {
+            return Ok(None);
+        }
+        match fault.strip_prefix("router-scheduler-panic:").and_then(|n| n.parse::<u64>().ok()) {
+            Some(n) if n >= 1 => Ok(Some(n)),
+            _ => Err(ConfigError::Fault(fault.to_string())),
+        }
     }
 
     /// Fills in defaults from the model's `max_position_embeddings` (0:

@@ -15,7 +15,7 @@
 use std::ops::AddAssign;
 use std::time::{Duration, Instant};
 
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 
 /// Per-request sampling parameters, already range-checked. Neutral values
 /// disable a feature (see `SamplingParams` in proto/sluice/v1/shard.proto).
@@ -142,6 +142,20 @@ pub enum InferError {
 
 pub type InferStream = mpsc::UnboundedReceiver<Result<InferEvent, InferError>>;
 
+/// Why the scheduler stopped for good. The router cannot serve without it:
+/// it reports unhealthy and exits non-zero, so that the launcher (or the
+/// orchestrator) restarts the server (crash-only, as TGI does).
+#[derive(Debug, Clone, thiserror::Error, PartialEq)]
+pub enum SchedulerFailure {
+    /// A Step RPC did not answer within its deadline: a stopped, stuck or
+    /// deadlocked shard. Every request in flight failed with a clear error.
+    #[error("the shards did not finish a step within {0:?}")]
+    StepDeadline(Duration),
+    /// A bug: the scheduler's state can no longer be trusted.
+    #[error("the scheduler panicked: {0}")]
+    Panicked(String),
+}
+
 /// A command to the scheduler task.
 #[derive(Debug)]
 pub struct Entry {
@@ -251,6 +265,8 @@ impl WindowTotals {
 pub struct Infer {
     pub(crate) commands: mpsc::Sender<Command>,
     pub info: std::sync::Arc<ShardInfo>,
+    /// Set once, when the scheduler task ends abnormally.
+    pub(crate) failure: watch::Receiver<Option<SchedulerFailure>>,
 }
 
 #[derive(Debug)]
@@ -279,6 +295,23 @@ impl Infer {
         let (tx, rx) = oneshot::channel();
         self.commands.send(Command::Stats(tx)).await.ok()?;
         rx.await.ok()
+    }
+
+    /// Why the scheduler stopped, if it did (see [`SchedulerFailure`]).
+    pub fn failure(&self) -> Option<SchedulerFailure> {
+        self.failure.borrow().clone()
+    }
+
+    /// Resolves when the scheduler fails; pends forever if it never does.
+    pub async fn failed(&self) -> SchedulerFailure {
+        let mut failure = self.failure.clone();
+        if let Ok(failure) = failure.wait_for(Option::is_some).await {
+            if let Some(failure) = failure.clone() {
+                return failure;
+            }
+        }
+        // The scheduler ended normally (every handle dropped).
+        std::future::pending().await
     }
 
     /// Stops admission and waits until running requests have finished.

@@ -5,7 +5,8 @@ mod scheduler_support;
 use std::time::Duration;
 
 use scheduler_support::*;
-use sluice_router::infer::InferError;
+use sluice_router::infer::{InferError, SchedulerFailure};
+use sluice_router::scheduler::StepDeadline;
 
 #[tokio::test]
 async fn a_failing_step_fails_its_requests_and_the_scheduler_keeps_serving() {
@@ -49,4 +50,63 @@ async fn a_request_error_fails_only_that_request() {
     assert_eq!(b_out.error, None);
     assert_eq!(b_out.tokens, expected_tokens(&fake, &[4, 5, 6], 20));
     assert_no_leak(&infer, &handle).await;
+}
+
+#[test]
+fn the_first_steps_get_the_longer_deadline() {
+    let deadline = StepDeadline { steady: Duration::from_secs(10), first_steps: Duration::from_secs(100) };
+    assert_eq!(deadline.for_step(0), Duration::from_secs(100));
+    assert_eq!(deadline.for_step(StepDeadline::FIRST_STEPS - 1), Duration::from_secs(100));
+    assert_eq!(deadline.for_step(StepDeadline::FIRST_STEPS), Duration::from_secs(10));
+    // A first-steps limit below the steady one never shortens a step.
+    let odd = StepDeadline { steady: Duration::from_secs(10), first_steps: Duration::from_secs(1) };
+    assert_eq!(odd.for_step(0), Duration::from_secs(10));
+}
+
+/// A shard that stops answering (SIGSTOP, a deadlocked collective): at the
+/// step deadline every request in flight fails with an error that says what
+/// happened, the scheduler reports its failure (the router then exits), and
+/// nothing new is accepted. Time is paused, so the deadline costs nothing.
+#[tokio::test(start_paused = true)]
+async fn a_step_past_its_deadline_fails_every_request_and_stops_the_scheduler() {
+    let fake = fake_config(64, 4);
+    let mut config = scheduler_config(&fake);
+    config.step_deadline = StepDeadline { steady: Duration::from_secs(5), first_steps: Duration::from_secs(5) };
+    let (infer, handle) = start(fake.clone(), config);
+
+    let mut a = infer.generate(request(vec![1, 2, 3, 4, 5], 50)).await.unwrap();
+    let mut a_out = read(&mut a, Some(2)).await;
+    handle.hang_next_steps(1);
+    let mut b = infer.generate(request(vec![6, 7, 8], 50)).await.unwrap();
+    read_into(&mut a, &mut a_out, None).await;
+    let b_out = read(&mut b, None).await;
+    for out in [&a_out, &b_out] {
+        match &out.error {
+            Some(InferError::Generation(message)) => {
+                assert!(message.contains("did not finish a step within 5s"), "{message}")
+            }
+            other => panic!("expected a generation error, got {other:?} ({out:?})"),
+        }
+    }
+    let failure = tokio::time::timeout(Duration::from_secs(30), infer.failed()).await.expect("failure reported");
+    assert_eq!(failure, SchedulerFailure::StepDeadline(Duration::from_secs(5)));
+    assert_eq!(infer.failure(), Some(failure));
+    let refused = infer.generate(request(vec![1, 2], 2)).await.err();
+    assert_eq!(refused, Some(InferError::ShuttingDown));
+}
+
+/// A bug in the scheduler must not leave a router that answers 503 forever
+/// while looking alive: the panic is reported (the router exits on it).
+#[tokio::test]
+async fn a_scheduler_panic_is_reported() {
+    let fake = fake_config(64, 4);
+    let mut config = scheduler_config(&fake);
+    config.panic_at_step = Some(3);
+    let (infer, _handle) = start(fake.clone(), config);
+    let mut a = infer.generate(request(vec![1, 2, 3], 50)).await.unwrap();
+    let out = read(&mut a, None).await;
+    assert!(out.end.is_none() && out.tokens.len() < 50, "{out:?}");
+    let failure = tokio::time::timeout(Duration::from_secs(30), infer.failed()).await.expect("failure reported");
+    assert!(matches!(&failure, SchedulerFailure::Panicked(m) if m.contains("injected scheduler panic")), "{failure:?}");
+    assert_eq!(infer.generate(request(vec![1, 2], 2)).await.err(), Some(InferError::ShuttingDown));
 }

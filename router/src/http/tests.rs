@@ -58,6 +58,8 @@ fn build_with_shard(setup: Setup) -> (Router, Arc<AppState>, FakeShardHandle) {
         prefix_caching: true,
         eos_token_ids: vec![fake.eos_token_id],
         metrics_window: Duration::from_secs(60),
+        step_deadline: Default::default(),
+        panic_at_step: None,
     };
     let info = ShardInfo {
         model_type: "llama".into(),

@@ -52,10 +52,10 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::client::Shard;
-use crate::infer::{Command, Entry, Infer, InferError, SchedulerStats, ShardInfo};
+use crate::infer::{Command, Entry, Infer, InferError, SchedulerFailure, SchedulerStats, ShardInfo};
 
 use kv::KvCache;
 use request::Request;
@@ -80,21 +80,81 @@ pub struct SchedulerConfig {
     /// Span of the sliding window behind the window gauges of /metrics
     /// (`--cost-window-secs`, at least one second).
     pub metrics_window: Duration,
+    /// How long one Step RPC may take before the shards count as stuck.
+    pub step_deadline: StepDeadline,
+    /// Test-only (SLUICE_FAULT=router-scheduler-panic:N): panic before the
+    /// N-th step. Always None in production.
+    pub panic_at_step: Option<u64>,
+}
+
+/// How long one Step RPC may take. Past it the scheduler fails every request
+/// in flight and stops (`SchedulerFailure::StepDeadline`): a shard that
+/// does not answer (stopped, deadlocked in a collective) would otherwise
+/// hold every request, and every slot, forever.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepDeadline {
+    /// Any step after the first ones.
+    pub steady: Duration,
+    /// The first [`StepDeadline::FIRST_STEPS`] steps: they may compile
+    /// kernels for shapes warmup did not run (Triton, torch).
+    pub first_steps: Duration,
+}
+
+impl StepDeadline {
+    pub const FIRST_STEPS: u64 = 16;
+
+    /// The limit of the step that follows `steps_done` finished ones.
+    pub fn for_step(&self, steps_done: u64) -> Duration {
+        if steps_done < Self::FIRST_STEPS {
+            self.first_steps.max(self.steady)
+        } else {
+            self.steady
+        }
+    }
+}
+
+impl Default for StepDeadline {
+    fn default() -> Self {
+        Self { steady: Duration::from_secs(120), first_steps: Duration::from_secs(600) }
+    }
 }
 
 /// Starts the scheduler task; the returned handle submits to it. The task
-/// ends when every `Infer` clone is dropped and no request is left.
+/// ends when every `Infer` clone is dropped and no request is left, or when
+/// it fails ([`Infer::failed`] then resolves).
 pub fn spawn<S: Shard>(shard: S, config: SchedulerConfig, info: ShardInfo) -> Infer {
     let (commands, receiver) = mpsc::channel(1024);
     let mut scheduler = Scheduler::new(config);
     // The queue and KV gauges exist from the first scrape (an endpoint
     // picker reads them before any request arrives).
     scheduler.publish_occupancy();
-    tokio::spawn(run(scheduler, shard, receiver));
-    Infer { commands, info: Arc::new(info) }
+    let (failure_tx, failure) = watch::channel(None);
+    let task = tokio::spawn(run(scheduler, shard, receiver));
+    tokio::spawn(async move {
+        let failure = match task.await {
+            Ok(Ok(())) => return,
+            Ok(Err(failure)) => failure,
+            Err(e) if e.is_panic() => SchedulerFailure::Panicked(panic_message(e.into_panic())),
+            Err(_) => return, // cancelled: the runtime is shutting down
+        };
+        tracing::error!("{failure}");
+        let _ = failure_tx.send(Some(failure));
+    });
+    Infer { commands, info: Arc::new(info), failure }
 }
 
-async fn run<S: Shard>(mut scheduler: Scheduler, mut shard: S, mut commands: mpsc::Receiver<Command>) {
+fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
+    match payload.downcast::<String>() {
+        Ok(message) => *message,
+        Err(payload) => payload.downcast_ref::<&str>().map_or("(no message)", |m| m).to_string(),
+    }
+}
+
+async fn run<S: Shard>(
+    mut scheduler: Scheduler,
+    mut shard: S,
+    mut commands: mpsc::Receiver<Command>,
+) -> Result<(), SchedulerFailure> {
     let mut open = true;
     loop {
         while let Ok(command) = commands.try_recv() {
@@ -104,29 +164,40 @@ async fn run<S: Shard>(mut scheduler: Scheduler, mut shard: S, mut commands: mps
         if plan.is_empty() {
             // Nothing can run: wait for the world to change.
             if !open && scheduler.is_idle() {
-                return;
+                return Ok(());
             }
             match commands.recv().await {
                 Some(command) => scheduler.handle(command),
-                None if scheduler.is_idle() => return,
+                None if scheduler.is_idle() => return Ok(()),
                 None => open = false,
             }
             continue;
+        }
+        if scheduler.config.panic_at_step == Some(scheduler.stats.steps + 1) {
+            panic!("SLUICE_FAULT: injected scheduler panic before step {}", scheduler.stats.steps + 1);
         }
         let request = scheduler.to_proto(&plan);
         let (step_span, step_trace) = scheduler.trace_step(&plan);
         let started = Instant::now();
         scheduler.stats.step_in_flight_since = Some(started);
+        let limit = scheduler.config.step_deadline.for_step(scheduler.stats.steps);
+        let deadline = tokio::time::sleep(limit);
         let step = shard.step_traced(request, step_trace);
-        tokio::pin!(step);
+        tokio::pin!(step, deadline);
         let result = loop {
             tokio::select! {
-                result = &mut step => break result,
+                result = &mut step => break Some(result),
+                () = &mut deadline => break None,
                 command = commands.recv(), if open => match command {
                     Some(command) => scheduler.handle(command),
                     None => open = false,
                 },
             }
+        };
+        let Some(result) = result else {
+            let failure = SchedulerFailure::StepDeadline(limit);
+            scheduler.fail_all(&failure);
+            return Err(failure);
         };
         scheduler.apply(plan, result, started);
         drop(step_span);
@@ -242,6 +313,15 @@ impl Scheduler {
             )));
         }
         Ok(())
+    }
+
+    /// The scheduler stops: every request, running or waiting, ends with an
+    /// error that says why (clients see it before the router exits).
+    fn fail_all(&mut self, failure: &SchedulerFailure) {
+        let message = format!("{failure}; the server is restarting");
+        for r in self.running.drain(..).chain(self.waiting.drain(..)) {
+            r.send(Err(InferError::Generation(message.clone())));
+        }
     }
 
     fn notify_drained(&mut self) {

@@ -82,6 +82,8 @@ struct FakeState {
     violations: Vec<String>,
     fail_steps: u32,
     fail_requests: HashSet<u64>,
+    /// Steps that never answer (a stopped shard), counted down.
+    hang_steps: u32,
 }
 
 pub struct FakeShard {
@@ -126,6 +128,11 @@ impl FakeShardHandle {
     /// shard state.
     pub fn fail_next_steps(&self, n: u32) {
         self.state.lock().unwrap().fail_steps = n;
+    }
+
+    /// The next `n` steps never answer, like a shard stopped with SIGSTOP.
+    pub fn hang_next_steps(&self, n: u32) {
+        self.state.lock().unwrap().hang_steps = n;
     }
 
     /// The next step that computes request `id` answers with a
@@ -378,6 +385,15 @@ impl Shard for FakeShard {
         async move {
             if !config.latency.is_zero() {
                 tokio::time::sleep(config.latency).await;
+            }
+            let hang = {
+                let mut state = state.lock().unwrap();
+                let hang = state.hang_steps > 0;
+                state.hang_steps = state.hang_steps.saturating_sub(1);
+                hang
+            };
+            if hang {
+                std::future::pending::<()>().await;
             }
             let mut state = state.lock().unwrap();
             state.step(&config, request)

@@ -26,6 +26,8 @@ pub fn scheduler_config(fake: &FakeShardConfig) -> SchedulerConfig {
         prefix_caching: true,
         eos_token_ids: vec![fake.eos_token_id],
         metrics_window: Duration::from_secs(60),
+        step_deadline: Default::default(),
+        panic_at_step: None,
     }
 }
 

@@ -1,0 +1,275 @@
+"""Abuse and fault tests against the real launcher (issue 16): every attack or
+fault, and the outcome a user or an operator expects from it: a fast 4xx
+naming the problem, a closed connection, a clean non-zero exit, or a
+recovery.
+
+Rules kept by every test here: traffic goes to 127.0.0.1 only, every loop
+is bounded in count and in time, and no test asserts speed except that a
+healthy server's `/health` answers within `HEALTH_BOUND_S` while it is under
+attack (0.5 s on a quiet machine; a shared 2-core machine gets a generous
+default, set SLUICE_TEST_HEALTH_BOUND to tighten it).
+
+Faults are injected through the processes' own interfaces (signals), or
+through `SLUICE_FAULT` (see server/sluice_server/faults.py), read once at
+startup and never set in production.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import Launcher, start_launcher, wait_gone
+from test_lifecycle import shard_pids, wait_exit
+
+HEALTH_BOUND_S = float(os.environ.get("SLUICE_TEST_HEALTH_BOUND", "2.0"))
+# A fault must end in this long; only a hang, not a slow machine, reaches it.
+FAULT_BOUND_S = 120
+
+
+def cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return []
+
+
+def environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [entry.split(b"=", 1) for entry in f.read().split(b"\0") if b"=" in entry]
+    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
+
+
+def router_pid(server: Launcher) -> int:
+    (pid,) = [p for p in server.children() if "--master-shard-uds-path" in cmdline(p)]
+    return pid
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+class HealthWatch:
+    """Polls GET /health from a thread while hostile requests run; records
+    the slowest answer (a failed probe counts as infinitely slow)."""
+
+    def __init__(self, base_url: str):
+        self.base_url = base_url
+        self.slowest = 0.0
+        self.probes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=30) as client:
+            while not self._stop.is_set() and self.probes < 10_000:
+                started = time.monotonic()
+                try:
+                    ok = client.get(f"{self.base_url}/health").status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                took = time.monotonic() - started if ok else float("inf")
+                self.slowest = max(self.slowest, took)
+                self.probes += 1
+                self._stop.wait(0.1)
+
+    def __enter__(self) -> "HealthWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+        assert self.probes > 0
+
+    def assert_healthy(self) -> None:
+        assert self.slowest <= HEALTH_BOUND_S, (
+            f"/health took {self.slowest:.2f}s (bound {HEALTH_BOUND_S}s) during the hostile requests"
+        )
+
+
+# --- Access (items 12, 13) ------------------------------------------------------
+
+
+def test_api_key_and_shard_sockets_are_private(tiny_model_dir, tmp_path):
+    """12: the API key (given to the launcher in API_KEY) reaches the router
+    through its environment (readable by this user only), never a command
+    line (readable by every local user); shards do not get it. 13: without --shard-uds-path the sockets live in a
+    private 0700 folder made for this launcher, are 0600 themselves, and the
+    folder is gone when the launcher is."""
+    key = "sk-abuse-9f8e7d"
+    server = start_launcher("--model-id", str(tiny_model_dir), tmp=tmp_path, env={"API_KEY": key},
+                            private_sockets=True)
+    try:
+        pids = server.children()
+        for pid in [server.proc.pid, *pids]:
+            assert not any(key in arg for arg in cmdline(pid)), f"the key is on the command line of {pid}"
+        router = router_pid(server)
+        assert environ(router).get("API_KEY") == key
+        for shard in shard_pids(server):
+            assert "API_KEY" not in environ(shard)
+        assert httpx.get(f"{server.base_url}/info").status_code == 401
+        assert httpx.get(f"{server.base_url}/info", headers={"Authorization": f"bearer {key}"}).status_code == 200
+
+        (shard,) = shard_pids(server)
+        base = Path(flag(cmdline(shard), "--uds-path"))
+        folder = base.parent
+        assert folder.name.startswith("sluice-"), base
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+        socket_file = Path(f"{base}-0")
+        assert stat.S_ISSOCK(socket_file.stat().st_mode)
+        assert stat.S_IMODE(socket_file.stat().st_mode) == 0o600
+        assert flag(cmdline(router), "--master-shard-uds-path") == str(socket_file)
+    finally:
+        server.stop()
+    assert server.proc.returncode == 0, server.output()
+    assert not folder.exists(), "the private socket folder outlived the launcher"
+
+
+# --- Faults of the launcher's children (items 9, 14) -----------------------------
+
+
+def test_sigterm_during_gguf_conversion_leaves_no_temporary_folder(tmp_path):
+    """14: a signal while the bundled .gguf is being converted (into an empty
+    Hub cache) stops the conversion and removes its temporary folder, which
+    for a real model is gigabytes."""
+    hub = tmp_path / "hub"
+    server = start_launcher(tmp=tmp_path, wait_ready=False, env={"HF_HUB_CACHE": str(hub)})
+    converted = hub / "sluice-gguf"
+    try:
+        deadline = time.monotonic() + 300
+        while not list(converted.glob(".tmp-*")):
+            if server.proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the conversion never started:\n{server.output()}")
+            time.sleep(0.05)
+        descendants = server.children()
+        server.proc.send_signal(signal.SIGTERM)
+        assert wait_exit(server, FAULT_BOUND_S) == 0, server.output()
+        assert wait_gone(descendants) == [], server.output()
+    finally:
+        server.stop()
+    assert list(converted.glob(".tmp-*")) == [], server.output()
+    assert list(converted.iterdir()) == [], "an interrupted conversion must not look finished"
+
+
+def test_tp_rank_failing_mid_step_ends_the_whole_group(tiny_model_dir, tmp_path):
+    """9: rank 1 raises inside its second step while rank 0 waits for it in a
+    collective. The request fails with an error (no hang), the failed rank
+    ends the group instead of serving with its collectives out of step, and
+    the launcher exits non-zero with nothing left running."""
+    server = start_launcher("--model-id", str(tiny_model_dir), "--num-shard", "2", tmp=tmp_path,
+                            env={"SLUICE_FAULT": "shard-step-error:1:2"})
+    try:
+        descendants = server.children()
+        body = {"inputs": "The sea", "parameters": {"max_new_tokens": 20}}
+        try:
+            resp = httpx.post(f"{server.base_url}/generate", json=body, timeout=FAULT_BOUND_S)
+            assert resp.status_code in (424, 500, 503), resp.text  # TGI answers a failed generation 424
+        except httpx.TransportError:
+            pass  # the router went down with the group before answering
+        assert wait_exit(server, FAULT_BOUND_S) != 0
+        assert wait_gone(descendants) == [], server.output()
+        assert "injected failure" in server.output()
+    finally:
+        server.stop()
+
+
+def test_shard_killed_mid_stream_ends_the_stream_and_the_server(tiny_model_dir, tmp_path):
+    """A shard killed with SIGKILL while a stream runs: the stream ends (an
+    error event or a closed connection, never a hang) and the launcher exits
+    non-zero with every child gone."""
+    server = start_launcher("--model-id", str(tiny_model_dir), tmp=tmp_path)
+    try:
+        descendants = server.children()
+        (shard,) = shard_pids(server)
+        body = {"inputs": "The sea", "parameters": {"max_new_tokens": 1500, "ignore_eos": True}}
+        events = 0
+        try:
+            with httpx.stream("POST", f"{server.base_url}/generate_stream", json=body,
+                              timeout=FAULT_BOUND_S) as resp:
+                assert resp.status_code == 200
+                for line in resp.iter_lines():
+                    events += line.startswith("data:")
+                    if events == 3:
+                        os.kill(shard, signal.SIGKILL)
+                    assert events < 1500, "the stream went on after its shard was killed"
+        except httpx.TransportError:
+            pass
+        assert events >= 3
+        assert wait_exit(server, FAULT_BOUND_S) != 0
+        assert wait_gone(descendants) == [], server.output()
+    finally:
+        server.stop()
+
+
+# --- A stuck shard, a scheduler bug (items 7, 8) ---------------------------------
+
+
+def read_stream_after(server: Launcher, body: dict, after: int, fault) -> tuple[int, list[str]]:
+    """Streams /generate_stream; calls `fault()` after `after` events. Returns
+    (events, lines). Ends when the stream ends (or the connection drops);
+    bounded by FAULT_BOUND_S and by max_new_tokens."""
+    events, lines = 0, []
+    try:
+        with httpx.stream("POST", f"{server.base_url}/generate_stream", json=body, timeout=FAULT_BOUND_S) as resp:
+            assert resp.status_code == 200, resp.read()
+            for line in resp.iter_lines():
+                lines.append(line)
+                events += line.startswith("data:")
+                if events == after:
+                    fault()
+    except httpx.TransportError as e:
+        lines.append(f"transport error: {e!r}")
+    return events, lines
+
+
+def test_stopped_shard_fails_in_flight_requests_at_the_step_deadline(tiny_model_dir, tmp_path):
+    """7: a shard stopped with SIGSTOP answers no step. At --step-timeout the
+    stream in flight ends with an error saying so, the router exits non-zero
+    and the launcher stops everything (an orchestrator then restarts it),
+    instead of holding every request and slot forever."""
+    server = start_launcher("--model-id", str(tiny_model_dir), "--step-timeout", "5", tmp=tmp_path,
+                            env={"SLUICE_FIRST_STEPS_TIMEOUT": "5"})
+    (shard,) = shard_pids(server)
+    try:
+        descendants = server.children()
+        body = {"inputs": "The sea", "parameters": {"max_new_tokens": 1500, "ignore_eos": True}}
+        events, lines = read_stream_after(server, body, 3, lambda: os.kill(shard, signal.SIGSTOP))
+        assert events >= 3 and events < 1500, lines[-3:]
+        assert any("did not finish a step within 5s" in line for line in lines), lines[-3:]
+        assert wait_exit(server, FAULT_BOUND_S) != 0
+        assert wait_gone(descendants) == [], server.output()
+        assert "did not finish a step" in server.output()
+    finally:
+        try:
+            os.kill(shard, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        server.stop()
+
+
+def test_scheduler_panic_takes_the_router_and_the_server_down(tiny_model_dir, tmp_path):
+    """8: a panic in the scheduler (injected before its 5th step) ends the
+    router with a non-zero status, so the launcher stops everything and
+    exits non-zero, rather than leaving a router that answers 503 forever
+    while /health says 200."""
+    server = start_launcher("--model-id", str(tiny_model_dir), tmp=tmp_path,
+                            env={"SLUICE_FAULT": "router-scheduler-panic:5"})
+    try:
+        descendants = server.children()
+        body = {"inputs": "The sea", "parameters": {"max_new_tokens": 50, "ignore_eos": True}}
+        events, lines = read_stream_after(server, body, -1, lambda: None)
+        assert events < 50, lines[-3:]
+        assert wait_exit(server, FAULT_BOUND_S) != 0
+        assert wait_gone(descendants) == [], server.output()
+        assert "injected scheduler panic" in server.output()
+    finally:
+        server.stop()
