@@ -69,7 +69,9 @@ fn the_first_steps_get_the_longer_deadline() {
 /// nothing new is accepted.
 #[tokio::test]
 async fn a_step_past_its_deadline_fails_every_request_and_stops_the_scheduler() {
-    let fake = fake_config(64, 4);
+    let mut fake = fake_config(64, 4);
+    // Steps take a moment, so `a` is still running when the hang is set.
+    fake.latency = Duration::from_millis(20);
     let mut config = scheduler_config(&fake);
     config.step_deadline = StepDeadline { steady: Duration::from_secs(1), first_steps: Duration::from_secs(1) };
     let (infer, handle) = start(fake.clone(), config);
