@@ -14,6 +14,15 @@ start = num_computed_tokens, end = start + num_new_tokens:
 
 Only a request whose `end` reaches len(token_ids) gets logits for sampling;
 one with prompt_logprobs also gets logits for each new prompt position.
+
+Speculative decoding: a sampling request may carry K draft tokens, computed
+after its own tokens as extra query tokens, with logits at each of the K + 1
+last positions (verification, in model_runner):
+
+    token_ids:  t0 ... t(L-2) t(L-1) | d0 d1 d2        L = len(token_ids), K = 3
+                       start   end=L |
+    query:                    t(L-1)  d0 d1 d2         query_len = 1 + K
+    logits rows:              L-1     L  L+1 L+2       draws for positions L .. L+K
 """
 
 from __future__ import annotations
@@ -57,10 +66,17 @@ class Work:
     start: int
     num_new_tokens: int
     block_ids: list[int]
+    # Proposed tokens after token_ids (speculative decoding; empty: none).
+    draft: list[int] = field(default_factory=list)
 
     @property
     def end(self) -> int:
         return self.start + self.num_new_tokens
+
+    @property
+    def query_len(self) -> int:
+        """Tokens this step computes: the request's own, then its drafts."""
+        return self.num_new_tokens + len(self.draft)
 
     @property
     def samples(self) -> bool:
@@ -169,9 +185,26 @@ def check_step(requests: dict[int, RequestState], step: shard_pb2.StepRequest, l
                 f"request {sched.id}: num_new_tokens {sched.num_new_tokens} must be in [1, {remaining}]"
             )
         block_ids = state.block_ids + list(sched.new_block_ids)
-        _check_blocks(sched.id, block_ids, state.num_computed_tokens + sched.num_new_tokens, limits)
-        checked.work.append(Work(state, state.num_computed_tokens, sched.num_new_tokens, block_ids))
+        draft = list(sched.draft_token_ids)
+        if draft:
+            _check_draft(state, sched.num_new_tokens == remaining, draft, limits)
+        _check_blocks(sched.id, block_ids, state.num_computed_tokens + sched.num_new_tokens + len(draft), limits)
+        checked.work.append(Work(state, state.num_computed_tokens, sched.num_new_tokens, block_ids, draft))
     return checked
+
+
+def _check_draft(state: RequestState, samples: bool, draft: list[int], limits: ShardLimits) -> None:
+    """Drafts are verified by sampling after them: only a step that samples,
+    and neither a constrained request nor one still scoring its prompt."""
+    rid = state.id
+    if not samples:
+        raise InvalidStep(f"request {rid}: draft tokens on a step that does not sample")
+    if state.grammar is not None:
+        raise InvalidStep(f"request {rid}: draft tokens for a constrained request")
+    if state.prompt_logprobs is not None:
+        raise InvalidStep(f"request {rid}: draft tokens before its prompt logprobs were sent")
+    if max(draft) >= limits.vocab_size:
+        raise InvalidStep(f"request {rid}: draft token id {max(draft)} >= vocab_size {limits.vocab_size}")
 
 
 @dataclass
@@ -186,7 +219,8 @@ class Batch:
     # [N] int64: rows of the hidden states whose logits are computed.
     logits_indices: torch.Tensor
     # Per work item: [first, first + count) of its rows in the logits; count is
-    # 1 (sampling only), the chunk length (prompt logprobs) or 0.
+    # 1 (sampling only), 1 + len(draft) (verifying drafts), the chunk length
+    # (prompt logprobs) or 0.
     logits_rows: list[tuple[int, int]]
 
 
@@ -199,14 +233,15 @@ def build_batch(work: list[Work], block_size: int, device: torch.device) -> Batc
         positions     = start[seq] + (t - query_start_loc[seq])
         slot_mapping  = block_tables[seq, pos // bs] * bs + pos % bs
     """
-    work = sorted(work, key=lambda w: w.num_new_tokens != 1)
-    num_decodes = sum(1 for w in work if w.num_new_tokens == 1)
-    q_lens = [w.num_new_tokens for w in work]
-    seq_lens = [w.end for w in work]
+    work = sorted(work, key=lambda w: w.query_len != 1)
+    num_decodes = sum(1 for w in work if w.query_len == 1)
+    q_lens = [w.query_len for w in work]
+    seq_lens = [w.end + len(w.draft) for w in work]
     starts = [w.start for w in work]
     tokens: list[int] = []
     for w in work:
         tokens.extend(w.state.token_ids[w.start : w.end])
+        tokens.extend(w.draft)
     max_blocks = max(-(-e // block_size) for e in seq_lens)
     tables = [w.block_ids[:max_blocks] + [0] * (max_blocks - len(w.block_ids[:max_blocks])) for w in work]
 
@@ -227,8 +262,9 @@ def build_batch(work: list[Work], block_size: int, device: torch.device) -> Batc
             logits_rows.append((len(indices), w.num_new_tokens))
             indices.extend(range(first, first + w.num_new_tokens))
         elif w.samples:
-            logits_rows.append((len(indices), 1))
-            indices.append(first + w.num_new_tokens - 1)
+            # The last own token, then each draft: 1 + len(draft) rows.
+            logits_rows.append((len(indices), 1 + len(w.draft)))
+            indices.extend(range(first + w.num_new_tokens - 1, first + w.query_len))
         else:
             logits_rows.append((len(indices), 0))
 

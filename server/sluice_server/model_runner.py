@@ -107,13 +107,41 @@ class StepOutput:
     # (token id, logprob) of the prompt tokens this chunk scored.
     prompt_logprobs: list[tuple[Work, list[tuple[int, float]]]] = field(default_factory=list)
     # The token sampled for every request whose work reached its last token
-    # (a result with `error` set fails that request alone).
+    # and carried no drafts (a result with `error` set fails that request alone).
     sampled: list[tuple[Work, sampling.SampledToken]] = field(default_factory=list)
+    # Requests that carried drafts: the tokens they emit (accepted drafts,
+    # then the token drawn after them; see `verify_drafts`), or an error.
+    verified: list[tuple[Work, list[sampling.SampledToken] | str]] = field(default_factory=list)
     # Seconds spent building the batch, in the forward pass, and on prompt
     # logprobs + sampling.
     prepare_s: float = 0.0
     forward_s: float = 0.0
     sampling_s: float = 0.0
+
+
+def verify_drafts(draft: list[int], draws: list[sampling.SampledToken]) -> list[sampling.SampledToken] | str:
+    """The tokens a speculating request emits: the longest prefix of `draft`
+    that its draws reproduce, then the first draw that differs (or the draw
+    after the last draft). draws[i] is the token drawn for position L + i.
+
+        draft   a  b  c        draws  a  b  x  y   ->  emits a b x (2 accepted)
+        draft   a  b  c        draws  a  b  c  z   ->  emits a b c z (all + 1)
+
+    Each draw is the one the request would make at that position without
+    speculation, so a draft is accepted exactly when the request would have
+    produced it: with probability p(draft) for a sampled request (rejection
+    sampling against a point-mass proposal), and when it is the argmax for a
+    greedy one. A failed draw that is reached fails the request (the error
+    message); draws after the first mismatch are never looked at.
+    """
+    emitted: list[sampling.SampledToken] = []
+    for i, draw in enumerate(draws):
+        if draw.error is not None:
+            return draw.error
+        emitted.append(draw)
+        if i == len(draft) or draw.token_id != draft[i]:
+            break
+    return emitted
 
 
 @dataclass
@@ -223,10 +251,12 @@ class ModelRunner:
         t1 = time.perf_counter()
         logits = self.execute(batch)
         t2 = time.perf_counter()
+        sampled, verified = self._sample(batch, logits, constrained)
         output = StepOutput(
             work=batch.work,
             prompt_logprobs=self._prompt_logprobs(batch, logits),
-            sampled=self._sample(batch, logits, constrained),
+            sampled=sampled,
+            verified=verified,
         )
         output.prepare_s, output.forward_s, output.sampling_s = t1 - t0, t2 - t1, time.perf_counter() - t2
         return output
@@ -258,19 +288,40 @@ class ModelRunner:
 
     def _sample(
         self, batch: Batch, logits: torch.Tensor, constrained: bool = False
-    ) -> list[tuple[Work, sampling.SampledToken]]:
-        sampled = [(w, first + count - 1) for w, (first, count) in zip(batch.work, batch.logits_rows) if w.samples]
-        if not sampled:
-            return []
-        rows = [
-            sampling.SamplingRow(w.state.params, w.state.token_ids, w.state.num_prompt_tokens, w.state.logit_bias)
-            for w, _ in sampled
-        ]
-        chosen = logits[[row for _, row in sampled]]
+    ) -> tuple[list[tuple[Work, sampling.SampledToken]], list[tuple[Work, list[sampling.SampledToken] | str]]]:
+        """One draw per logits row of every sampling request, all in one
+        `sampling.sample` call: a request with K drafts has K + 1 rows, row i
+        drawn as if drafts [0, i) had been generated (its penalties,
+        min_tokens and seed position follow). Returns (plain requests' tokens,
+        speculating requests' emitted tokens)."""
+        owners: list[tuple[Work, int]] = []  # (work, its first row in `rows`)
+        picked: list[int] = []
+        rows: list[sampling.SamplingRow] = []
+        for w, (first, count) in zip(batch.work, batch.logits_rows):
+            if not w.samples:
+                continue
+            owners.append((w, len(rows)))
+            if not w.draft:
+                picked.append(first + count - 1)
+                rows.append(
+                    sampling.SamplingRow(w.state.params, w.state.token_ids, w.state.num_prompt_tokens, w.state.logit_bias)
+                )
+                continue
+            for i in range(len(w.draft) + 1):
+                picked.append(first + i)
+                rows.append(
+                    sampling.SamplingRow(
+                        w.state.params, w.state.token_ids + w.draft[:i], w.state.num_prompt_tokens, w.state.logit_bias
+                    )
+                )
+        if not rows:
+            return [], []
+        chosen = logits[picked]
         if constrained:
             # On CUDA the forward pass may still be running: the masks are
             # computed on the CPU meanwhile, only their application waits.
-            masked = [(i, w.state.grammar) for i, (w, _) in enumerate(sampled) if w.state.grammar is not None]
+            # (Constrained requests never carry drafts: one row each.)
+            masked = [(first, w.state.grammar) for w, first in owners if w.state.grammar is not None]
             constraints.mask_logits(chosen, [i for i, _ in masked], [g for _, g in masked])
         try:
             results = sampling.sample(chosen, rows, self.eos_token_ids)
@@ -278,7 +329,13 @@ class ModelRunner:
             # Find the row(s) at fault so only their requests fail.
             log.exception("batched sampling failed; sampling rows one by one")
             results = [self._sample_one(chosen[i : i + 1], row) for i, row in enumerate(rows)]
-        return [(w, result) for (w, _), result in zip(sampled, results)]
+        sampled, verified = [], []
+        for w, first in owners:
+            if w.draft:
+                verified.append((w, verify_drafts(w.draft, results[first : first + len(w.draft) + 1])))
+            else:
+                sampled.append((w, results[first]))
+        return sampled, verified
 
     def _sample_one(self, logits: torch.Tensor, row: sampling.SamplingRow) -> sampling.SampledToken:
         try:

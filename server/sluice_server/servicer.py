@@ -12,6 +12,12 @@ of held requests (`RequestState` by id) plus the model runner. A Step:
        prompt logprobs accumulate; each sampled token is appended to its
        request's token_ids and returned as a Generation.
 
+A request with draft tokens (speculative decoding) commits only what the
+runner verified: its emitted tokens are appended, num_computed_tokens stops
+after the accepted drafts, and its block table is cut to the blocks that
+hold computed slots (the router cuts its own the same way; the proto's
+ScheduledRequest.draft_token_ids says how).
+
 Constrained requests (structured output, tool calls) get a matcher when they
 arrive (constraints.Grammar, rebuilt from prompt + generated tokens for a
 resumed one); the runner masks their rows before sampling and the commit
@@ -33,9 +39,10 @@ import grpc
 
 from sluice_server import constraints, telemetry
 from sluice_server.faults import Faults
-from sluice_server.batch import CheckedStep, InvalidStep, ShardLimits, RequestState, check_step
+from sluice_server.batch import CheckedStep, InvalidStep, ShardLimits, RequestState, Work, check_step
 from sluice_server.model_runner import KVBudgetError, ModelRunner, StepOutput
 from sluice_server.pb import shard_pb2, shard_pb2_grpc
+from sluice_server.sampling import SampledToken
 
 log = logging.getLogger(__name__)
 
@@ -174,16 +181,42 @@ class Shard:
                 response.errors.add(id=state.id, message=error)
                 self._drop(state.id)
                 continue
-            state.token_ids.append(result.token_id)
-            gen = response.generations.add(id=state.id, token_id=result.token_id)
-            if state.params.logprobs or state.params.top_n_tokens:
-                gen.logprob = result.logprob
-                for token_id, logprob in result.top_tokens:
-                    gen.top_tokens.add(token_id=token_id, logprob=logprob)
+            gen = _emit(state, result, response)
             if state.prompt_logprobs is not None:
                 for token_id, logprob in state.prompt_logprobs:
                     gen.prompt_logprobs.add(token_id=token_id, logprob=logprob)
                 state.prompt_logprobs = None
+        for w, emitted in output.verified:
+            self._commit_verified(w, emitted, response)
+
+    def _commit_verified(self, w: Work, emitted: list[SampledToken] | str, response: shard_pb2.StepResponse) -> None:
+        """A speculating request keeps the KV of its accepted drafts only:
+
+            before: token_ids [0, L), drafts at L .. L+K-1 written
+            after:  token_ids [0, L + accepted + 1), num_computed_tokens = L + accepted,
+                    block_ids = the first ceil(num_computed_tokens / block_size)
+        """
+        state = w.state
+        if isinstance(emitted, str):
+            response.errors.add(id=state.id, message=emitted)
+            self._drop(state.id)
+            return
+        accepted = len(emitted) - 1
+        state.num_computed_tokens = w.end + accepted
+        state.block_ids = w.block_ids[: -(-state.num_computed_tokens // self.runner.block_size)]
+        for result in emitted:
+            _emit(state, result, response)
+
+
+def _emit(state: RequestState, result: SampledToken, response: shard_pb2.StepResponse) -> shard_pb2.Generation:
+    """Appends a generated token to the request and reports it."""
+    state.token_ids.append(result.token_id)
+    gen = response.generations.add(id=state.id, token_id=result.token_id)
+    if state.params.logprobs or state.params.top_n_tokens:
+        gen.logprob = result.logprob
+        for token_id, logprob in result.top_tokens:
+            gen.top_tokens.add(token_id=token_id, logprob=logprob)
+    return gen
 
 
 class ShardServicer(shard_pb2_grpc.ShardServicer):

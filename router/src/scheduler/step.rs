@@ -126,6 +126,7 @@ impl Scheduler {
                     id: entry.id,
                     num_new_tokens: entry.num_new_tokens as u32,
                     new_block_ids,
+                    draft_token_ids: Vec::new(),
                 });
             }
         }
