@@ -185,10 +185,37 @@ pub struct Args {
     #[arg(long, env = "COST_WINDOW_SECS", value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub cost_window_secs: Option<u64>,
 
+    /// Speculative decoding: `ngram` proposes the tokens that followed an earlier occurrence of
+    /// a request's last tokens (prompt lookup) and verifies them in the same step. Off when unset.
+    #[arg(long, env = "SPECULATE", value_enum)]
+    pub speculate: Option<Speculate>,
+
+    /// The most draft tokens per request and step (with --speculate). Default: the router's (4).
+    #[arg(long, env = "SPECULATE_TOKENS")]
+    pub speculate_tokens: Option<u32>,
+
+    /// Shortest suffix looked up by --speculate ngram. Default: the router's (1).
+    #[arg(long, env = "NGRAM_MIN")]
+    pub ngram_min: Option<u32>,
+
+    /// Longest suffix looked up by --speculate ngram. Default: the router's (3).
+    #[arg(long, env = "NGRAM_MAX")]
+    pub ngram_max: Option<u32>,
+
+    /// No request speculates while more than this many run. Default: the router's (8).
+    #[arg(long, env = "SPECULATE_MAX_BATCH_SIZE")]
+    pub speculate_max_batch_size: Option<u32>,
+
     /// Check the flags and environment variables, print the configuration they give, and exit
     /// without starting anything (e.g. to check a deployment's container spec).
     #[arg(long)]
     pub dry_run: bool,
+}
+
+/// `--speculate` methods (the router's names).
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Speculate {
+    Ngram,
 }
 
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]

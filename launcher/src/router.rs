@@ -62,6 +62,10 @@ pub fn command(router: &Path, args: &Args, master_socket: &Path, model_dir: &Pat
         ("--max-batch-total-tokens", args.max_batch_total_tokens),
         ("--max-batch-size", args.max_batch_size),
         ("--step-timeout", args.step_timeout),
+        ("--speculate-tokens", args.speculate_tokens),
+        ("--ngram-min", args.ngram_min),
+        ("--ngram-max", args.ngram_max),
+        ("--speculate-max-batch-size", args.speculate_max_batch_size),
     ];
     for (flag, value) in optional_numbers {
         if let Some(value) = value {
@@ -101,6 +105,9 @@ pub fn command(router: &Path, args: &Args, master_socket: &Path, model_dir: &Pat
     }
     if args.json_output {
         command.arg("--json-output");
+    }
+    if let Some(crate::args::Speculate::Ngram) = args.speculate {
+        command.arg("--speculate").arg("ngram");
     }
     command
 }
@@ -210,6 +217,23 @@ mod tests {
                 "--no-prefix-caching", "--json-output",
             ]
         );
+    }
+
+    #[test]
+    fn speculation_flags_are_passed_when_set() {
+        let got = argv(&[
+            "--speculate", "ngram", "--speculate-tokens", "6", "--ngram-min", "2", "--ngram-max", "4",
+            "--speculate-max-batch-size", "3",
+        ]);
+        assert_eq!(
+            &got[20..],
+            [
+                "--speculate-tokens", "6", "--ngram-min", "2", "--ngram-max", "4", "--speculate-max-batch-size", "3",
+                "--speculate",
+                "ngram",
+            ]
+        );
+        assert!(!argv(&[]).contains(&"--speculate".to_string()));
     }
 
     #[test]

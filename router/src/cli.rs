@@ -27,7 +27,7 @@ use crate::chat_template::ChatTemplate;
 use crate::client::ShardGroup;
 use crate::config::RouterConfig;
 use crate::grammar::GrammarCompiler;
-use crate::http::{self, AppState, HttpOptions, Info};
+use crate::http::{self, AppState, HttpOptions, Info, SpeculationInfo};
 use crate::infer::{Infer, ShardInfo};
 use crate::scheduler::{self, SchedulerConfig};
 use crate::tokenizer::Tokenizer;
@@ -139,6 +139,7 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
         let eos = shard_info.eos_token_ids.clone();
         tokio::task::spawn_blocking(move || GrammarCompiler::new(&tokenizer, vocab_size, &eos))
     };
+    let speculation = config.speculation().map_err(|e| e.to_string())?;
     tracing::info!(?limits, "warming up the shards");
     let num_blocks = shards
         .warmup(limits.max_batch_prefill_tokens, limits.max_batch_size, limits.max_total_tokens)
@@ -179,6 +180,7 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
         metrics_window: config.cost_window(),
         step_deadline: config.step_deadline(),
         panic_at_step: config.scheduler_panic_at().map_err(|e| e.to_string())?,
+        speculation: speculation.clone(),
     };
     // The recorder first: the scheduler describes its series when it starts.
     let metrics = crate::metrics::install();
@@ -241,6 +243,7 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
             router: "sluice".into(),
             version: env!("CARGO_PKG_VERSION").into(),
             hourly_cost: config.hourly_cost,
+            speculation: speculation.as_ref().map(SpeculationInfo::new),
         },
         metrics,
         draining: Arc::new(AtomicBool::new(false)),

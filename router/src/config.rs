@@ -109,6 +109,32 @@ pub struct RouterConfig {
     #[arg(long, env = "COST_WINDOW_SECS", default_value_t = 60,
           value_parser = clap::value_parser!(u64).range(1..=MAX_COST_WINDOW_SECS))]
     pub cost_window_secs: u64,
+    /// Speculative decoding: `ngram` proposes the tokens that followed the
+    /// latest earlier occurrence of a request's last n tokens (prompt lookup)
+    /// and verifies them in the same step. Off when unset.
+    #[arg(long, env = "SPECULATE", value_enum)]
+    pub speculate: Option<Speculate>,
+    /// The most draft tokens per request and step (with --speculate).
+    #[arg(long, env = "SPECULATE_TOKENS", default_value_t = 4,
+          value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub speculate_tokens: u32,
+    /// Shortest suffix of a request's tokens looked up (with --speculate ngram).
+    #[arg(long, env = "NGRAM_MIN", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub ngram_min: u32,
+    /// Longest suffix looked up (with --speculate ngram).
+    #[arg(long, env = "NGRAM_MAX", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    pub ngram_max: u32,
+    /// No request speculates while more than this many run: large batches
+    /// are compute-bound and gain nothing from extra query tokens.
+    #[arg(long, env = "SPECULATE_MAX_BATCH_SIZE", default_value_t = 8)]
+    pub speculate_max_batch_size: u32,
+}
+
+/// `--speculate` methods.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Speculate {
+    /// Prompt lookup: n-gram matches in the request's own tokens.
+    Ngram,
 }
 
 /// An hour: a longer window would hide what the price buys now.
@@ -140,6 +166,8 @@ pub enum ConfigError {
     Zero(&'static str),
     #[error("SLUICE_FAULT={0:?}: expected router-scheduler-panic:N (N >= 1) or a shard-... value")]
     Fault(String),
+    #[error("--ngram-min ({min}) must not exceed --ngram-max ({max})")]
+    NgramRange { min: u32, max: u32 },
 }
 
 /// Longest default sequence: keeps CPU warmup and KV reservations modest.
@@ -178,6 +206,20 @@ impl RouterConfig {
             Some(n) if n >= 1 => Ok(Some(n)),
             _ => Err(ConfigError::Fault(fault.to_string())),
         }
+    }
+
+    /// The speculation settings; None when `--speculate` is not given.
+    pub fn speculation(&self) -> Result<Option<crate::scheduler::SpeculationConfig>, ConfigError> {
+        let Some(Speculate::Ngram) = self.speculate else { return Ok(None) };
+        if self.ngram_min > self.ngram_max {
+            return Err(ConfigError::NgramRange { min: self.ngram_min, max: self.ngram_max });
+        }
+        Ok(Some(crate::scheduler::SpeculationConfig {
+            max_tokens: self.speculate_tokens as usize,
+            ngram_min: self.ngram_min as usize,
+            ngram_max: self.ngram_max as usize,
+            max_batch_size: self.speculate_max_batch_size as usize,
+        }))
     }
 
     /// Fills in defaults from the model's `max_position_embeddings` (0:

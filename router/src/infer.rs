@@ -198,6 +198,9 @@ pub struct SchedulerStats {
     pub evicted_blocks: u64,
     pub prefix_hit_tokens: u64,
     pub prefix_lookup_tokens: u64,
+    /// Draft tokens sent for verification, and those accepted.
+    pub speculative_proposed_tokens: u64,
+    pub speculative_accepted_tokens: u64,
     /// Token counts of recent traffic (`--cost-window-secs`).
     pub window: WindowTotals,
 }

@@ -76,6 +76,12 @@ fn describe() {
     describe_histogram!("sluice_step_duration_seconds", Unit::Seconds, "Time of one Step RPC");
     describe_histogram!("sluice_batch_tokens", "Tokens computed per step");
     describe_histogram!("sluice_batch_size", "Requests per step");
+    describe_counter!("sluice_speculative_proposed_tokens_total", "Draft tokens sent to the shards for verification");
+    describe_counter!("sluice_speculative_accepted_tokens_total", "Draft tokens the shards accepted");
+    describe_histogram!(
+        "sluice_speculative_emitted_tokens",
+        "Tokens emitted per request and step that carried a draft (accepted drafts + 1)"
+    );
     // Counters exist (at 0) before their first event, so rates and alerts
     // see them from the start.
     for name in [
@@ -87,6 +93,8 @@ fn describe() {
         "sluice_preemptions_total",
         "sluice_scheduler_steps_total",
         "sluice_step_failures_total",
+        "sluice_speculative_proposed_tokens_total",
+        "sluice_speculative_accepted_tokens_total",
     ] {
         counter!(name).increment(0);
     }
@@ -173,6 +181,13 @@ pub fn blocks_evicted(blocks: u64) {
 
 pub fn preempted() {
     counter!("sluice_preemptions_total").increment(1);
+}
+
+/// A request's draft of `proposed` tokens came back with `accepted` of them.
+pub fn draft_verified(proposed: usize, accepted: usize) {
+    counter!("sluice_speculative_proposed_tokens_total").increment(proposed as u64);
+    counter!("sluice_speculative_accepted_tokens_total").increment(accepted as u64);
+    histogram!("sluice_speculative_emitted_tokens").record((accepted + 1) as f64);
 }
 
 // -- /metrics ---------------------------------------------------------------

@@ -18,7 +18,7 @@ pub mod tgi;
 #[cfg(test)]
 mod tests;
 
-pub use state::{AppState, Info};
+pub use state::{AppState, Info, SpeculationInfo};
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;

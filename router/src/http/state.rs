@@ -36,6 +36,33 @@ pub struct Info {
     pub version: String,
     /// Dollars per hour (`--hourly-cost`); null when not configured.
     pub hourly_cost: Option<f64>,
+    /// Speculative decoding settings; null when off.
+    pub speculation: Option<SpeculationInfo>,
+}
+
+/// `/info`'s view of `--speculate` and its settings.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct SpeculationInfo {
+    /// "ngram".
+    pub method: String,
+    /// The most draft tokens per request and step.
+    pub speculate_tokens: u32,
+    pub ngram_min: u32,
+    pub ngram_max: u32,
+    /// No speculation while more requests than this run.
+    pub max_batch_size: u32,
+}
+
+impl SpeculationInfo {
+    pub fn new(config: &crate::scheduler::SpeculationConfig) -> Self {
+        Self {
+            method: "ngram".into(),
+            speculate_tokens: config.max_tokens as u32,
+            ngram_min: config.ngram_min as u32,
+            ngram_max: config.ngram_max as u32,
+            max_batch_size: config.max_batch_size as u32,
+        }
+    }
 }
 
 pub struct AppState {

@@ -60,6 +60,7 @@ fn build_with_shard(setup: Setup) -> (Router, Arc<AppState>, FakeShardHandle) {
         metrics_window: Duration::from_secs(60),
         step_deadline: Default::default(),
         panic_at_step: None,
+        speculation: None,
     };
     let info = ShardInfo {
         model_type: "llama".into(),
@@ -105,6 +106,7 @@ fn build_with_shard(setup: Setup) -> (Router, Arc<AppState>, FakeShardHandle) {
             router: "sluice".into(),
             version: "test".into(),
             hourly_cost: setup.hourly_cost,
+            speculation: None,
         },
         metrics: crate::metrics::install(),
         draining: Arc::new(AtomicBool::new(false)),

@@ -72,7 +72,7 @@ impl Scheduler {
             r.resumed = false;
             tracing::debug!(id, cached = r.num_computed_tokens, num_new_tokens, "admitted");
             *budget -= num_new_tokens;
-            plan.entries.push(Planned { id, num_new_tokens, is_new: true, first_new_block: 0 });
+            plan.entries.push(Planned { id, num_new_tokens, is_new: true, first_new_block: 0, draft: Vec::new() });
             self.running.push(r);
             latest_admitted = latest_admitted.max(Some(id));
         }

@@ -1,6 +1,19 @@
 //! Applying a step's result: advance computed tokens, stream events, stop
 //! requests (EOS, max_new_tokens, a shard error).
 //!
+//! A request that sent a draft gets its accepted drafts and one more token
+//! (1..=1 + draft tokens, streamed one event each, stopping at EOS or
+//! max_new_tokens). Its KV then covers every emitted token but the last, and
+//! its table is cut to the blocks holding that KV; the slots of rejected
+//! drafts go back with the blocks cut off, and only computed tokens are ever
+//! offered to the prefix tree.
+//!
+//! ```text
+//!  before   tokens [0, L)  computed L-1   blocks for L + K slots (K drafts)
+//!  emitted  a accepted drafts + 1
+//!  after    tokens [0, L+a+1)  computed L+a   blocks ceil((L+a) / bs)
+//! ```
+//!
 //! Every block a step fills enters the prefix tree at once (a full block is
 //! never written again), so requests sharing a prefix with a running one
 //! reuse it without waiting for it to finish. A finished request's computed
@@ -57,8 +70,10 @@ impl Scheduler {
     }
 
     fn apply_response(&mut self, plan: StepPlan, response: pb::StepResponse) {
-        let mut generations: HashMap<u64, pb::Generation> =
-            response.generations.into_iter().map(|g| (g.id, g)).collect();
+        let mut generations: HashMap<u64, Vec<pb::Generation>> = HashMap::new();
+        for g in response.generations {
+            generations.entry(g.id).or_default().push(g);
+        }
         let errors: HashMap<u64, String> = response.errors.into_iter().map(|e| (e.id, e.message)).collect();
         let mut sampled = 0;
         for entry in plan.entries {
@@ -73,26 +88,25 @@ impl Scheduler {
             }
             let r = &mut self.running[index];
             r.on_shard = true;
-            let bs = self.config.block_size as usize;
-            let filled_before = r.num_computed_tokens / bs;
+            let filled_before = r.num_computed_tokens / self.config.block_size as usize;
             r.num_computed_tokens += entry.num_new_tokens;
-            if r.num_computed_tokens / bs > filled_before {
-                // Blocks this step filled are final: cache them now, not at
-                // the end, so requests admitted while this one still runs
-                // (concurrent users of one system prompt) reuse them.
-                self.kv.cache_full_blocks(&r.blocks, r.computed_tokens());
-            }
             if r.num_computed_tokens < r.tokens.len() {
+                self.cache_filled(index, filled_before);
                 continue; // a prefill chunk
             }
-            let Some(generation) = generations.remove(&entry.id) else {
+            let emitted = generations.remove(&entry.id).unwrap_or_default();
+            if let Err(message) = check_emitted(&entry.draft, &emitted) {
+                self.cache_filled(index, filled_before);
                 let r = self.running.remove(index);
-                r.send(Err(InferError::Generation("the shard returned no token".into())));
+                r.send(Err(InferError::Generation(message)));
                 self.retire(r, false);
                 continue;
-            };
-            sampled += 1;
-            self.on_token(index, generation);
+            }
+            sampled += emitted.len() as u64;
+            if !entry.draft.is_empty() {
+                self.record_draft(index, entry.draft.len(), emitted.len() - 1);
+            }
+            self.on_tokens(index, emitted, filled_before);
         }
         if sampled > 0 {
             self.window.record(Instant::now(), TokenCounts { output: sampled, ..Default::default() });
@@ -102,8 +116,42 @@ impl Scheduler {
         }
     }
 
-    /// Streams one sampled token and stops the request when it is done.
-    fn on_token(&mut self, index: usize, g: pb::Generation) {
+    /// Blocks this step filled are final: cache them now, not at the end, so
+    /// requests admitted while this one still runs (concurrent users of one
+    /// system prompt) reuse them.
+    fn cache_filled(&mut self, index: usize, filled_before: usize) {
+        let r = &self.running[index];
+        if r.num_computed_tokens / self.config.block_size as usize > filled_before {
+            self.kv.cache_full_blocks(&r.blocks, r.computed_tokens());
+        }
+    }
+
+    /// Streams the tokens a step emitted for a request (one, or accepted
+    /// drafts + one), stops it when it is done, and cuts its table to its
+    /// computed KV.
+    fn on_tokens(&mut self, index: usize, emitted: Vec<pb::Generation>, filled_before: usize) {
+        let mut done = false;
+        for g in emitted {
+            if self.on_token(index, g) {
+                done = true;
+                break;
+            }
+        }
+        let r = &mut self.running[index];
+        // Every emitted token but the last has its KV (it was a draft).
+        r.num_computed_tokens = r.tokens.len() - 1;
+        let keep = r.num_computed_tokens.div_ceil(self.config.block_size as usize);
+        r.blocks.truncate(keep);
+        self.cache_filled(index, filled_before);
+        if done {
+            let r = self.running.remove(index);
+            self.retire(r, true);
+        }
+    }
+
+    /// Streams one sampled token; true when the request is done (finished,
+    /// or its client is gone).
+    fn on_token(&mut self, index: usize, g: pb::Generation) -> bool {
         let eos = &self.config.eos_token_ids;
         let r = &mut self.running[index];
         let mut alive = true;
@@ -134,11 +182,21 @@ impl Scheduler {
         if let Some(reason) = reason {
             r.send(Ok(InferEvent::End { reason, generated_tokens: r.generated() }));
         }
-        if reason.is_some() || !alive {
-            let r = self.running.remove(index);
-            self.retire(r, true);
-        }
+        reason.is_some() || !alive
     }
+}
+
+/// What a request's tokens from the shard must look like: at least one,
+/// and with a draft, its accepted prefix followed by one token.
+fn check_emitted(draft: &[u32], emitted: &[pb::Generation]) -> Result<(), String> {
+    if emitted.is_empty() {
+        return Err("the shard returned no token".into());
+    }
+    let accepted = emitted.len() - 1;
+    if accepted > draft.len() || emitted[..accepted].iter().zip(draft).any(|(g, &d)| g.token_id != d) {
+        return Err(format!("the shard returned {} tokens that do not extend a draft of {}", emitted.len(), draft.len()));
+    }
+    Ok(())
 }
 
 fn token_logprob(t: &pb::TokenLogprob) -> TokenLogprob {

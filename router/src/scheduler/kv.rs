@@ -37,8 +37,14 @@ pub(crate) struct BlockTable {
 impl BlockTable {
     /// Gives every block back (the table stays usable, empty).
     pub fn clear(&mut self) {
-        if !self.blocks.is_empty() {
-            self.returns.lock().unwrap_or_else(|e| e.into_inner()).append(&mut self.blocks);
+        self.truncate(0);
+    }
+
+    /// Keeps the first `len` blocks and gives the rest back.
+    pub fn truncate(&mut self, len: usize) {
+        if self.blocks.len() > len {
+            let mut tail = self.blocks.split_off(len);
+            self.returns.lock().unwrap_or_else(|e| e.into_inner()).append(&mut tail);
         }
     }
 }
@@ -149,6 +155,13 @@ impl KvCache {
                 }
             }
         }
+        table.blocks.extend((0..wanted).map_while(|_| self.alloc.allocate()));
+    }
+
+    /// Appends up to `wanted` blocks from the free list only: what may be
+    /// spent on speculation evicts nothing.
+    pub fn allocate_free(&mut self, table: &mut BlockTable, wanted: usize) {
+        self.reclaim();
         table.blocks.extend((0..wanted).map_while(|_| self.alloc.allocate()));
     }
 

@@ -8,7 +8,8 @@
 //!                              │   (blocks.rs allocator, radix.rs tree)  │
 //!                              │   1 cancel    (step.rs)                 │
 //!                              │   2 running: decode / next chunk,       │
-//!                              │     blocks on demand (preemption.rs)    │
+//!                              │     blocks on demand (preemption.rs),   │
+//!                              │     drafts (drafts.rs, speculation.rs)  │
 //!                              │   3 admit waiting (admission.rs)        │
 //!                              │   ──Step──► shard ──► apply (apply.rs)  │
 //!                              └──── InferEvent per request ─────────────┘
@@ -39,11 +40,13 @@
 mod admission;
 mod apply;
 pub mod blocks;
+mod drafts;
 mod kv;
 mod preemption;
 mod queue;
 pub mod radix;
 mod request;
+mod speculation;
 mod step;
 mod trace;
 mod window;
@@ -56,6 +59,8 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::client::Shard;
 use crate::infer::{Command, Entry, Infer, InferError, SchedulerFailure, SchedulerStats, ShardInfo};
+
+pub use speculation::SpeculationConfig;
 
 use kv::KvCache;
 use request::Request;
@@ -85,6 +90,8 @@ pub struct SchedulerConfig {
     /// Test-only (SLUICE_FAULT=router-scheduler-panic:N): panic before the
     /// N-th step. Always None in production.
     pub panic_at_step: Option<u64>,
+    /// Speculative decoding (`--speculate ngram`); None: off.
+    pub speculation: Option<SpeculationConfig>,
 }
 
 /// How long one Step RPC may take. Past it the scheduler fails every request

@@ -42,7 +42,7 @@ impl Scheduler {
             }
             let victim = self.running.iter().max_by_key(|r| r.admitted).expect("non-empty").id;
             if let Some(entry) = plan.remove(victim) {
-                *budget += entry.num_new_tokens;
+                *budget += entry.query_len();
             }
             self.preempt(victim);
             if victim == id {

@@ -16,6 +16,7 @@
 use std::time::Instant;
 
 use super::kv::BlockTable;
+use super::speculation::Adaptive;
 use crate::infer::{Entry, InferError, InferEvent, ValidRequest};
 use crate::pb;
 
@@ -47,6 +48,8 @@ pub(crate) struct Request {
     pub span: tracing::Span,
     /// Open from submission to the first step that computes this request.
     pub queue_span: Option<tracing::Span>,
+    /// How many draft tokens it proposes (speculative decoding).
+    pub speculation: Adaptive,
 }
 
 impl Request {
@@ -71,6 +74,7 @@ impl Request {
             resumed: false,
             span,
             queue_span,
+            speculation: Adaptive::default(),
         }
     }
 

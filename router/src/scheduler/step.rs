@@ -11,6 +11,11 @@
 //!  B prefill chunk     [8, 12) of 20 tokens   ▇▇▇▇   4 tokens
 //!  C admitted          [0, 3)  of 10 tokens   ▇▇▇    3 tokens (budget ends)
 //! ```
+//!
+//! With speculation on, a decode may carry draft tokens (speculation.rs);
+//! they count against the budget too, but only what is left after one token
+//! for every other decode of the step, and only as far as free blocks hold
+//! their slots: drafts never preempt a request or evict a cached block.
 
 use super::blocks::BlockId;
 use crate::pb;
@@ -27,6 +32,16 @@ pub(crate) struct Planned {
     pub is_new: bool,
     /// `blocks[first_new_block..]` were appended for this step.
     pub first_new_block: usize,
+    /// Proposed tokens after the request's last one (speculative decoding),
+    /// computed after its `num_new_tokens`.
+    pub draft: Vec<u32>,
+}
+
+impl Planned {
+    /// Tokens this entry computes: its own, then its draft.
+    pub fn query_len(&self) -> usize {
+        self.num_new_tokens + self.draft.len()
+    }
 }
 
 #[derive(Debug, Default)]
@@ -43,7 +58,7 @@ impl StepPlan {
     }
 
     pub fn tokens(&self) -> usize {
-        self.entries.iter().map(|e| e.num_new_tokens).sum()
+        self.entries.iter().map(Planned::query_len).sum()
     }
 
     pub fn remove(&mut self, id: u64) -> Option<Planned> {
@@ -97,7 +112,8 @@ impl Scheduler {
         let max_batch = self.config.max_batch_size as usize;
         let decodes: Vec<u64> = self.running.iter().filter(|r| r.remaining() == 1).map(|r| r.id).collect();
         let prefills: Vec<u64> = self.running.iter().filter(|r| r.remaining() > 1).map(|r| r.id).collect();
-        for id in decodes.into_iter().chain(prefills) {
+        let num_decodes = decodes.len();
+        for (i, id) in decodes.into_iter().chain(prefills).enumerate() {
             if *budget == 0 || plan.entries.len() >= max_batch {
                 break;
             }
@@ -110,7 +126,15 @@ impl Scheduler {
                 continue; // it was preempted itself
             }
             *budget -= num_new_tokens;
-            plan.entries.push(Planned { id, num_new_tokens, is_new: false, first_new_block });
+            let draft = if i < num_decodes {
+                // Every later decode keeps its one token.
+                let spare = budget.saturating_sub(num_decodes - i - 1);
+                self.draft(id, spare)
+            } else {
+                Vec::new()
+            };
+            *budget -= draft.len();
+            plan.entries.push(Planned { id, num_new_tokens, is_new: false, first_new_block, draft });
         }
     }
 
@@ -126,7 +150,7 @@ impl Scheduler {
                     id: entry.id,
                     num_new_tokens: entry.num_new_tokens as u32,
                     new_block_ids,
-                    draft_token_ids: Vec::new(),
+                    draft_token_ids: entry.draft.clone(),
                 });
             }
         }

@@ -27,7 +27,7 @@ impl Scheduler {
         let requests: Vec<(&super::Request, usize)> = plan
             .entries
             .iter()
-            .filter_map(|e| self.position(e.id).map(|i| (&self.running[i], e.num_new_tokens)))
+            .filter_map(|e| self.position(e.id).map(|i| (&self.running[i], e.query_len())))
             .collect();
         let prefill_tokens: usize = plan.entries.iter().filter(|e| e.is_new || e.num_new_tokens > 1).map(|e| e.num_new_tokens).sum();
         let parent = requests.first().and_then(|(r, _)| r.span.id());

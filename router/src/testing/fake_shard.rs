@@ -19,10 +19,18 @@
 //!
 //! Tokens are "generated" deterministically from the whole sequence so far,
 //! so a request produces the same tokens whatever its batch, chunking,
-//! cache hits or preemptions were. With `grammar` set, a constrained request
+//! cache hits, preemptions or drafts were. With `grammar` set, a constrained request
 //! (`NewRequest.grammar`) picks among the tokens its llguidance matcher
 //! allows, as a real shard masks them, preferring to end (EOS, then a
-//! closing `"`, `}` or `]`) so outputs stay short.
+//! closing `"`, `}` or `]`) so outputs stay short. With `echo_probability` set, a
+//! token repeats the one `echo_period` positions back that often, so output
+//! repeats itself and n-gram drafts get accepted.
+//!
+//! Drafts (speculative decoding) are verified as a real shard does: each
+//! draft slot gets the KV of the draft's own prefix (also the rejected ones,
+//! whose slots then hold KV of a sequence that did not happen: reading one
+//! later is caught), drafts are accepted while they equal the generated
+//! token, and the block table is cut to the blocks of the computed slots.
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -47,6 +55,9 @@ pub struct FakeShardConfig {
     pub latency: Duration,
     /// Honour `NewRequest.grammar` (for the model's tokenizer).
     pub grammar: Option<Arc<GrammarCompiler>>,
+    /// Chance that a generated token repeats the one `echo_period` back.
+    pub echo_probability: f64,
+    pub echo_period: usize,
 }
 
 impl Default for FakeShardConfig {
@@ -59,6 +70,8 @@ impl Default for FakeShardConfig {
             eos_probability: 0.0,
             latency: Duration::ZERO,
             grammar: None,
+            echo_probability: 0.0,
+            echo_period: 8,
         }
     }
 }
@@ -169,6 +182,13 @@ pub fn next_token(config: &FakeShardConfig, tokens: &[u32], may_end: bool) -> (u
     if may_end && roll < config.eos_probability {
         return (config.eos_token_id, logprob);
     }
+    let echo_roll = ((h >> 4) % 1_000_000) as f64 / 1_000_000.0;
+    if config.echo_period > 0 && tokens.len() >= config.echo_period && echo_roll < config.echo_probability {
+        let echoed = tokens[tokens.len() - config.echo_period];
+        if echoed != config.eos_token_id {
+            return (echoed, logprob);
+        }
+    }
     let mut token = ((h >> 16) % config.vocab_size as u64) as u32;
     if token == config.eos_token_id {
         token = (token + 1) % config.vocab_size;
@@ -206,6 +226,7 @@ struct Work {
     id: u64,
     start: usize,
     num_new_tokens: usize,
+    draft: Vec<u32>,
 }
 
 impl FakeState {
@@ -243,14 +264,19 @@ impl FakeState {
                     grammar: new.grammar.clone(),
                 },
             );
-            work.push(Work { id: new.id, start: computed, num_new_tokens: new.num_new_tokens as usize });
+            work.push(Work { id: new.id, start: computed, num_new_tokens: new.num_new_tokens as usize, draft: Vec::new() });
         }
         for s in &step.scheduled {
             let Some(r) = live.get_mut(&s.id) else {
                 return Err(format!("scheduled request {} is unknown", s.id));
             };
             r.blocks.extend(&s.new_block_ids);
-            work.push(Work { id: s.id, start: r.num_computed_tokens, num_new_tokens: s.num_new_tokens as usize });
+            work.push(Work {
+                id: s.id,
+                start: r.num_computed_tokens,
+                num_new_tokens: s.num_new_tokens as usize,
+                draft: s.draft_token_ids.clone(),
+            });
         }
         let mut writers: HashMap<u32, u64> = HashMap::new();
         let mut seen_ids = HashSet::new();
@@ -277,7 +303,10 @@ impl FakeState {
                     return Err(format!("request {}: block {b} twice in its table", w.id));
                 }
             }
-            let end = w.start + w.num_new_tokens;
+            if !w.draft.is_empty() && w.start + w.num_new_tokens != r.tokens.len() {
+                return Err(format!("request {}: a draft on a step that does not sample", w.id));
+            }
+            let end = w.start + w.num_new_tokens + w.draft.len();
             if r.blocks.len() * bs < end {
                 return Err(format!("request {}: {} blocks cannot hold {end} slots", w.id, r.blocks.len()));
             }
@@ -336,46 +365,70 @@ impl FakeState {
                 continue;
             }
             let r = self.requests.get_mut(&w.id).expect("validated");
-            let hashes = prefix_hashes(&r.tokens);
-            for (pos, &hash) in hashes.iter().enumerate().skip(w.start).take(w.num_new_tokens) {
+            // KV of the own tokens, then of every draft (rejected ones too).
+            let sequence: Vec<u32> = r.tokens.iter().chain(&w.draft).copied().collect();
+            let hashes = prefix_hashes(&sequence);
+            for (pos, &hash) in hashes.iter().enumerate().skip(w.start).take(w.num_new_tokens + w.draft.len()) {
                 self.kv[r.blocks[pos / bs] as usize * bs + pos % bs] = Some(hash);
             }
             r.num_computed_tokens = w.start + w.num_new_tokens;
             if r.num_computed_tokens < r.tokens.len() {
                 continue; // a prefill chunk: nothing sampled
             }
-            let generated = r.tokens.len() - r.num_prompt_tokens;
-            let may_end = generated >= r.params.min_tokens as usize;
-            let (token_id, logprob) = if r.grammar.is_empty() {
-                next_token(config, &r.tokens, may_end)
-            } else {
-                match constrained_token(config, r, may_end) {
-                    Ok(token) => (token, next_token(config, &r.tokens, may_end).1),
-                    Err(message) => {
-                        self.requests.remove(&w.id);
-                        response.errors.push(RequestError { id: w.id, message });
-                        continue;
-                    }
-                }
-            };
-            let prompt_logprobs = if r.params.prompt_logprobs && generated == 0 {
+            let first = r.tokens.len() == r.num_prompt_tokens;
+            let prompt_logprobs = if r.params.prompt_logprobs && first {
                 (1..r.tokens.len())
                     .map(|i| TokenLogprob { token_id: r.tokens[i], logprob: next_token(config, &r.tokens[..i], false).1 })
                     .collect()
             } else {
                 Vec::new()
             };
-            r.tokens.push(token_id);
-            response.generations.push(Generation {
-                id: w.id,
-                token_id,
-                logprob,
-                top_tokens: Vec::new(),
-                prompt_logprobs,
-            });
+            let emitted = match verify(config, r, &w.draft) {
+                Ok(emitted) => emitted,
+                Err(message) => {
+                    self.requests.remove(&w.id);
+                    response.errors.push(RequestError { id: w.id, message });
+                    continue;
+                }
+            };
+            if !w.draft.is_empty() {
+                r.num_computed_tokens += emitted.len() - 1;
+                r.blocks.truncate(r.num_computed_tokens.div_ceil(bs));
+            }
+            for (i, (token_id, logprob)) in emitted.into_iter().enumerate() {
+                response.generations.push(Generation {
+                    id: w.id,
+                    token_id,
+                    logprob,
+                    top_tokens: Vec::new(),
+                    prompt_logprobs: if i == 0 { prompt_logprobs.clone() } else { Vec::new() },
+                });
+            }
         }
         Ok(response)
     }
+}
+
+/// Appends to `r` the tokens a step with `draft` emits: the drafts that
+/// equal what the sequence generates, then one generated token. A
+/// constrained request's tokens come from its grammar.
+fn verify(config: &FakeShardConfig, r: &mut FakeRequest, draft: &[u32]) -> Result<Vec<(u32, f32)>, String> {
+    let mut emitted = Vec::new();
+    for i in 0..=draft.len() {
+        let generated = r.tokens.len() - r.num_prompt_tokens;
+        let may_end = generated >= r.params.min_tokens as usize;
+        let (token_id, logprob) = if r.grammar.is_empty() {
+            next_token(config, &r.tokens, may_end)
+        } else {
+            (constrained_token(config, r, may_end)?, next_token(config, &r.tokens, may_end).1)
+        };
+        r.tokens.push(token_id);
+        emitted.push((token_id, logprob));
+        if i == draft.len() || token_id != draft[i] {
+            break;
+        }
+    }
+    Ok(emitted)
 }
 
 impl Shard for FakeShard {

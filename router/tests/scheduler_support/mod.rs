@@ -2,7 +2,11 @@
 //! a client that reads a request's whole event stream.
 #![allow(dead_code)]
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 
 use sluice_router::testing::fake_shard::{next_token, FakeShard, FakeShardConfig, FakeShardHandle};
 use sluice_router::infer::{
@@ -28,6 +32,7 @@ pub fn scheduler_config(fake: &FakeShardConfig) -> SchedulerConfig {
         metrics_window: Duration::from_secs(60),
         step_deadline: Default::default(),
         panic_at_step: None,
+        speculation: None,
     }
 }
 
@@ -155,4 +160,50 @@ pub async fn assert_no_leak(infer: &Infer, handle: &FakeShardHandle) -> Schedule
     assert_eq!(stats.blocks_free + stats.blocks_cached, stats.blocks_total, "leaked blocks: {stats:?}");
     assert_eq!(handle.violations(), Vec::<String>::new());
     stats
+}
+
+/// `n` random requests, 40 in flight: each prompt is a random prefix of one
+/// of `bases` (shared "system prompts", so the tree matters) plus up to 11
+/// random tokens, with 1..=`max_new` new tokens; a quarter are cancelled part
+/// way. Every one must read what the fake generates for it alone. Returns
+/// the prompt tokens served from the prefix cache.
+pub async fn random_requests(infer: &Infer, fake: &FakeShardConfig, bases: &[Vec<u32>], n: u64, max_new: u32) -> u64 {
+    let gate = Arc::new(tokio::sync::Semaphore::new(40));
+    let mut tasks = Vec::new();
+    for i in 0..n {
+        let mut rng = StdRng::seed_from_u64(i);
+        let base = &bases[rng.gen_range(0..bases.len())];
+        let mut prompt = base[..rng.gen_range(1..=base.len())].to_vec();
+        for _ in 0..rng.gen_range(0..12) {
+            prompt.push(rng.gen_range(1..900));
+        }
+        let max_new = rng.gen_range(1..=max_new);
+        let cancel_after = rng.gen_bool(0.25).then(|| rng.gen_range(0..max_new as usize));
+        let infer = infer.clone();
+        let fake = fake.clone();
+        let permit = gate.clone().acquire_owned().await.unwrap();
+        tasks.push(tokio::spawn(async move {
+            let _permit = permit;
+            let mut stream = loop {
+                match infer.generate(request(prompt.clone(), max_new)).await {
+                    Ok(s) => break s,
+                    Err(InferError::Overloaded(_)) => tokio::time::sleep(Duration::from_millis(1)).await,
+                    Err(e) => panic!("{e}"),
+                }
+            };
+            let out = read(&mut stream, cancel_after).await;
+            let expected = expected_tokens(&fake, &prompt, max_new);
+            assert_eq!(out.error, None);
+            assert_eq!(out.tokens[..], expected[..out.tokens.len()]);
+            if cancel_after.is_none() {
+                assert_eq!(out.tokens, expected);
+            }
+            out.cached_tokens as u64
+        }));
+    }
+    let mut cached = 0;
+    for t in tasks {
+        cached += t.await.unwrap();
+    }
+    cached
 }
