@@ -190,22 +190,24 @@ def _wait_ready(launcher: Launcher) -> str | None:
     return f"launcher not ready after {READY_TIMEOUT_S}s:\n{launcher.output()}"
 
 
+# The session launcher's flags (tests that compare with it start theirs alike).
+SESSION_FLAGS = (
+    # The exact path: the golden and prefix-caching tests compare tokens
+    # with transformers in float32 and across cache hits. The default
+    # fast path (--dtype auto) has its own tests (test_cpu_fast_path.py).
+    "--dtype", "float32",
+    "--max-concurrent-requests", "64",
+    "--max-total-tokens", "2048",
+    "--max-input-tokens", "1536",
+    # Warmup runs one step of this size; keep it small on 2 CPU cores.
+    "--max-batch-prefill-tokens", "512",
+    "--kv-cache-bytes", str(256 * 1024 * 1024),
+)
+
+
 @pytest.fixture(scope="session")
 def launcher(tmp_path_factory) -> Launcher:
-    tmp = tmp_path_factory.mktemp("launcher")
-    server = start_launcher(
-        # The exact path: the golden and prefix-caching tests compare tokens
-        # with transformers in float32 and across cache hits. The default
-        # fast path (--dtype auto) has its own tests (test_cpu_fast_path.py).
-        "--dtype", "float32",
-        "--max-concurrent-requests", "64",
-        "--max-total-tokens", "2048",
-        "--max-input-tokens", "1536",
-        # Warmup runs one step of this size; keep it small on 2 CPU cores.
-        "--max-batch-prefill-tokens", "512",
-        "--kv-cache-bytes", str(256 * 1024 * 1024),
-        tmp=tmp,
-    )
+    server = start_launcher(*SESSION_FLAGS, tmp=tmp_path_factory.mktemp("launcher"))
     yield server
     server.stop()
 
