@@ -206,6 +206,10 @@ pub struct Args {
     #[arg(long, env = "SPECULATE_MAX_BATCH_SIZE")]
     pub speculate_max_batch_size: Option<u32>,
 
+    /// Drafts fill a step up to this many tokens. Default: the router's (16).
+    #[arg(long, env = "SPECULATE_MAX_STEP_TOKENS")]
+    pub speculate_max_step_tokens: Option<u32>,
+
     /// Check the flags and environment variables, print the configuration they give, and exit
     /// without starting anything (e.g. to check a deployment's container spec).
     #[arg(long)]

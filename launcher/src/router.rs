@@ -66,6 +66,7 @@ pub fn command(router: &Path, args: &Args, master_socket: &Path, model_dir: &Pat
         ("--ngram-min", args.ngram_min),
         ("--ngram-max", args.ngram_max),
         ("--speculate-max-batch-size", args.speculate_max_batch_size),
+        ("--speculate-max-step-tokens", args.speculate_max_step_tokens),
     ];
     for (flag, value) in optional_numbers {
         if let Some(value) = value {
@@ -223,13 +224,13 @@ mod tests {
     fn speculation_flags_are_passed_when_set() {
         let got = argv(&[
             "--speculate", "ngram", "--speculate-tokens", "6", "--ngram-min", "2", "--ngram-max", "4",
-            "--speculate-max-batch-size", "3",
+            "--speculate-max-batch-size", "3", "--speculate-max-step-tokens", "12",
         ]);
         assert_eq!(
             &got[20..],
             [
                 "--speculate-tokens", "6", "--ngram-min", "2", "--ngram-max", "4", "--speculate-max-batch-size", "3",
-                "--speculate",
+                "--speculate-max-step-tokens", "12", "--speculate",
                 "ngram",
             ]
         );

@@ -128,6 +128,12 @@ pub struct RouterConfig {
     /// are compute-bound and gain nothing from extra query tokens.
     #[arg(long, env = "SPECULATE_MAX_BATCH_SIZE", default_value_t = 8)]
     pub speculate_max_batch_size: u32,
+    /// Most tokens (the requests' own and their drafts) a step may compute
+    /// with drafts in it: drafts fill the room up to it. On CPU, decode steps
+    /// of up to 16 tokens take the fast decode path.
+    #[arg(long, env = "SPECULATE_MAX_STEP_TOKENS", default_value_t = 16,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub speculate_max_step_tokens: u32,
 }
 
 /// `--speculate` methods.
@@ -219,6 +225,7 @@ impl RouterConfig {
             ngram_min: self.ngram_min as usize,
             ngram_max: self.ngram_max as usize,
             max_batch_size: self.speculate_max_batch_size as usize,
+            max_step_tokens: self.speculate_max_step_tokens as usize,
         }))
     }
 

@@ -21,7 +21,13 @@ fn echoing(num_blocks: u32) -> FakeShardConfig {
 
 fn speculating(fake: &FakeShardConfig, max_tokens: usize) -> SchedulerConfig {
     let mut config = scheduler_config(fake);
-    config.speculation = Some(SpeculationConfig { max_tokens, ngram_min: 1, ngram_max: 3, max_batch_size: 64 });
+    config.speculation = Some(SpeculationConfig {
+        max_tokens,
+        ngram_min: 1,
+        ngram_max: 3,
+        max_batch_size: 64,
+        max_step_tokens: usize::MAX,
+    });
     config
 }
 
@@ -145,6 +151,41 @@ async fn drafts_respect_the_step_budget() {
         assert!(tokens <= 6, "a step of {tokens} tokens");
     }
     assert!(drafts_in_steps(&handle).0 > 0);
+}
+
+#[tokio::test]
+async fn drafts_fill_a_step_up_to_max_step_tokens() {
+    let fake = echoing(256);
+    let mut config = speculating(&fake, 8);
+    if let Some(spec) = config.speculation.as_mut() {
+        spec.max_step_tokens = 10;
+    }
+    let (infer, handle) = start(fake.clone(), config);
+    let tasks: Vec<_> = (0..4u32)
+        .map(|i| {
+            let infer = infer.clone();
+            let fake = fake.clone();
+            tokio::spawn(async move {
+                let prompt: Vec<u32> = (0..12).map(|t| 1 + (t * 3 + i * 11) % 30).collect();
+                let out = generate(&infer, prompt.clone(), 40).await;
+                assert_eq!(out.tokens, expected_tokens(&fake, &prompt, 40));
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert_no_leak(&infer, &handle).await;
+    let mut full = 0;
+    for step in handle.steps() {
+        let drafts: usize = step.scheduled.iter().map(|r| r.draft_token_ids.len()).sum();
+        let tokens = drafts + step.scheduled.iter().map(|r| r.num_new_tokens as usize).sum::<usize>();
+        if drafts > 0 {
+            assert!(tokens <= 10, "a step of {tokens} tokens with {drafts} drafts");
+            full += usize::from(tokens == 10);
+        }
+    }
+    assert!(full > 0, "no step was filled to the limit");
 }
 
 /// 600 random requests with speculation, random cancellations, shared

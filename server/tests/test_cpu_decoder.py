@@ -11,6 +11,7 @@ import torch
 
 from conftest import Driver
 from sluice_server.layers import cpu_kernels
+from sluice_server.batch import Work
 from sluice_server.model_runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="the CPU kernels did not build")
@@ -68,3 +69,57 @@ def test_steps_it_does_not_take(runner):
     big = runner.cpu_decoder.max_rows + 1
     decodes = runner.build_batch([Work(state(1), 1, 1, [0]) for _ in range(big)])
     assert not runner.cpu_decoder.accepts(decodes)
+
+
+def verify_step(runner: ModelRunner, use_decoder: bool, prompts: list[list[int]], drafts: list[list[int]]):
+    """Prefills all but each prompt's last token, then one step of that token
+    and its drafts (speculative verification); returns each sequence's
+    logits rows (own token, then one per draft) and the KV cache."""
+    decoder = runner.cpu_decoder
+    driver = Driver(runner, num_blocks=64, seed=5)
+    bs = runner.block_size
+    states = [
+        driver.request(i, p, block_ids=[driver.free.pop() for _ in range(-(-(len(p) + len(d)) // bs))])
+        for i, (p, d) in enumerate(zip(prompts, drafts))
+    ]
+    for s, p in zip(states, prompts):
+        driver.step([(s, len(p) - 1)])
+    runner.cpu_decoder = decoder if use_decoder else None
+    try:
+        work = [Work(s, len(p) - 1, 1, s.block_ids, d) for s, p, d in zip(states, prompts, drafts)]
+        batch = runner.build_batch(work)
+        assert decoder.accepts(batch)
+        batch.logits_indices = torch.arange(batch.input_ids.numel())
+        logits = runner.execute(batch)
+    finally:
+        runner.cpu_decoder = decoder
+    rows, first = {}, 0
+    for w in batch.work:
+        rows[w.state.id] = logits[first : first + w.query_len]
+        first += w.query_len
+    return [rows[s.id] for s in states], runner.kv_cache
+
+
+def test_draft_verification_runs_on_the_cpu_decoder(runner, request):
+    """Draft tokens are decode rows of the C++ decoder: each row's logits are
+    bitwise those of decoding the same tokens one step at a time on the
+    decoder (the same kernels per row), so verification accepts exactly what
+    decoding would have generated. The Python forward of the same step (a
+    multi-token step: its own attention kernel, and with --dtype auto other
+    arithmetic) agrees up to rounding."""
+    prompts = [[5, 300, 41, 17, 88, 2], [9, 61, 700, 3] + list(range(40, 60)), [12, 13]]
+    drafts = [[45, 46, 47], [], [800, 7, 7, 7, 7]]
+    got, _ = verify_step(runner, True, prompts, drafts)
+    sequential = [p + d for p, d in zip(prompts, drafts)]
+    driver = Driver(runner, num_blocks=64, seed=5)
+    states = [driver.request(i, t) for i, t in enumerate(sequential)]
+    for s, p in zip(states, prompts):
+        driver.step([(s, len(p) - 1)])
+    for j in range(max(map(len, drafts)) + 1):
+        driver.step([(s, 1) for s, d in zip(states, drafts) if j <= len(d)])
+    for s, p, d, g in zip(states, prompts, drafts, got):
+        assert torch.equal(driver.computed(s.id, len(p) - 1, len(p) + len(d)), g)
+
+    want, want_cache = verify_step(runner, False, prompts, drafts)
+    for g, w in zip(got, want):
+        assert ((g - w).norm() / w.norm()).item() < (1e-4 if request.node.callspec.params["runner"] == "float32" else 0.05)

@@ -36,6 +36,12 @@ impl Scheduler {
         draft
     }
 
+    /// Draft tokens a step that computes `step_tokens` tokens without them
+    /// may add (`--speculate-max-step-tokens`).
+    pub(crate) fn draft_room(&self, step_tokens: usize) -> usize {
+        self.config.speculation.as_ref().map_or(0, |s| s.max_step_tokens.saturating_sub(step_tokens))
+    }
+
     /// Running request `index` had `accepted` of its `proposed` draft tokens
     /// accepted.
     pub(crate) fn record_draft(&mut self, index: usize, proposed: usize, accepted: usize) {

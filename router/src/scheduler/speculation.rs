@@ -38,11 +38,14 @@ pub struct SpeculationConfig {
     /// No proposals while more requests than this run
     /// (`--speculate-max-batch-size`).
     pub max_batch_size: usize,
+    /// Drafts only fill a step up to this many tokens
+    /// (`--speculate-max-step-tokens`).
+    pub max_step_tokens: usize,
 }
 
 impl Default for SpeculationConfig {
     fn default() -> Self {
-        Self { max_tokens: 4, ngram_min: 1, ngram_max: 3, max_batch_size: 8 }
+        Self { max_tokens: 4, ngram_min: 1, ngram_max: 3, max_batch_size: 8, max_step_tokens: 16 }
     }
 }
 

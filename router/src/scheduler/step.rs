@@ -128,8 +128,10 @@ impl Scheduler {
             *budget -= num_new_tokens;
             let draft = if i < num_decodes {
                 // Every later decode keeps its one token.
-                let spare = budget.saturating_sub(num_decodes - i - 1);
-                self.draft(id, spare)
+                let later = num_decodes - i - 1;
+                let planned: usize = plan.entries.iter().map(|e| e.num_new_tokens + e.draft.len()).sum();
+                let room = self.draft_room(planned + num_new_tokens + later);
+                self.draft(id, budget.saturating_sub(later).min(room))
             } else {
                 Vec::new()
             };

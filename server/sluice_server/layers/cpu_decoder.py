@@ -9,9 +9,13 @@ dispatches per step. Its hidden states are bitwise the Python path's
 and the LM head stay in Python.
 
 Used for a step when `CpuDecoder.accepts(batch)`: every sequence computes
-one token and there are at most `max_rows` of them. Anything else (prefill
-chunks, mixed steps, larger batches, other model files, tensor parallelism)
-runs the model's own forward.
+one token of its own, perhaps followed by draft tokens to verify
+(speculative decoding), and there are at most `max_rows` tokens. A draft
+token is one more decode row: the step writes every row's key and value to
+the cache before any row attends, so row i of a sequence attends over the
+cache up to its own position, its earlier drafts included. Anything else
+(prefill chunks, mixed steps, larger batches, other model files, tensor
+parallelism) runs the model's own forward.
 """
 
 from __future__ import annotations
@@ -36,16 +40,26 @@ class CpuDecoder:
 
     def accepts(self, batch: Batch) -> bool:
         tokens = batch.input_ids.numel()
-        return 0 < tokens <= self.max_rows and batch.attn.num_decodes == tokens
+        if not 0 < tokens <= self.max_rows:
+            return False
+        return batch.attn.num_decodes == tokens or all(w.num_new_tokens == 1 for w in batch.work)
 
     def forward(self, batch: Batch, kv_layers: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """batch (decode-only) -> final hidden states [T, hidden], as model(...) returns them."""
+        """batch (decode rows only) -> final hidden states [T, hidden], as model(...) returns them."""
         model = self.model
         x = model.model.embed_tokens(batch.input_ids)
         rotary = model.rotary.tables(batch.positions)
         meta = batch.attn
+        block_tables, seq_lens = meta.block_tables, meta.seq_lens
+        if meta.num_decodes != batch.input_ids.numel():
+            # Drafts: every token a decode row of its sequence, seeing the
+            # cache up to its own position.
+            rows = torch.repeat_interleave(
+                torch.arange(len(meta.query_lens_list)), torch.tensor(meta.query_lens_list)
+            )
+            block_tables, seq_lens = block_tables[rows], batch.positions + 1
         return self.engine.forward(
-            x, rotary.cos, rotary.sin, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+            x, rotary.cos, rotary.sin, meta.slot_mapping, block_tables, seq_lens,
             [k for k, _ in kv_layers], [v for _, v in kv_layers],
         )
 
