@@ -17,7 +17,9 @@ startup and never set in production.
 from __future__ import annotations
 
 import os
+import select
 import signal
+import socket
 import stat
 import threading
 import time
@@ -273,3 +275,112 @@ def test_scheduler_panic_takes_the_router_and_the_server_down(tiny_model_dir, tm
         assert "injected scheduler panic" in server.output()
     finally:
         server.stop()
+
+
+# --- Slow and numerous clients (item 4) ------------------------------------------
+
+
+def open_socket(server: Launcher) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", server.port), timeout=10)
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    """True once the server has closed `sock` (EOF or reset); reads and
+    drops whatever it sent before closing (an error response)."""
+    try:
+        while select.select([sock], [], [], 0)[0]:
+            if sock.recv(65536) == b"":
+                return True
+    except OSError:
+        return True
+    return False
+
+
+def trickle_until_closed(sockets: list[socket.socket], bound_s: float) -> list[float | None]:
+    """Sends one header line on every socket the server still holds open,
+    every 0.25 s (a slowloris client), until all are closed or `bound_s`
+    passes. Returns when each was closed (None: never)."""
+    started = time.monotonic()
+    closed_at: list[float | None] = [None] * len(sockets)
+    while None in closed_at and time.monotonic() - started < bound_s:
+        for i, sock in enumerate(sockets):
+            if closed_at[i] is not None:
+                continue
+            try:
+                sock.sendall(b"x-slow: 1\r\n")
+            except OSError:
+                closed_at[i] = time.monotonic() - started
+                continue
+            if closed_by_server(sock):
+                closed_at[i] = time.monotonic() - started
+        time.sleep(0.25)
+    return closed_at
+
+
+def read_until_closed(sock: socket.socket, bound_s: float) -> bytes | None:
+    """What the server sends until it closes `sock`; None if it did not
+    close it within `bound_s`."""
+    data, deadline = b"", time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        try:
+            if select.select([sock], [], [], 0.25)[0]:
+                chunk = sock.recv(65536)
+                if chunk == b"":
+                    return data
+                data += chunk
+        except OSError:
+            return data
+    return None
+
+
+def test_slow_and_numerous_clients_are_cut_off_and_others_served(tiny_model_dir, tmp_path):
+    """4: slowloris clients that trickle header lines are disconnected at
+    --header-timeout, a body that stops arriving gets 408 at --body-timeout,
+    connections past --max-connections get 503 and are closed at once, and
+    through all of it the server keeps answering other clients."""
+    server = start_launcher("--model-id", str(tiny_model_dir), "--header-timeout", "3", "--body-timeout", "3",
+                            "--max-connections", "24", tmp=tmp_path)
+    slow: list[socket.socket] = []
+    try:
+        with HealthWatch(server.base_url) as watch:
+            for _ in range(16):
+                sock = open_socket(server)
+                sock.sendall(b"POST /generate HTTP/1.1\r\nhost: 127.0.0.1\r\n")
+                slow.append(sock)
+            closed_at = trickle_until_closed(slow, FAULT_BOUND_S)
+            assert None not in closed_at, f"{closed_at.count(None)} slowloris connections were never closed"
+            # Another client is served meanwhile.
+            body = {"inputs": "The sea", "parameters": {"max_new_tokens": 3}}
+            assert httpx.post(f"{server.base_url}/generate", json=body, timeout=FAULT_BOUND_S).status_code == 200
+        watch.assert_healthy()
+
+        # A body that stops arriving.
+        with open_socket(server) as sock:
+            sock.sendall(b"POST /generate HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+                         b"content-length: 1000\r\n\r\n{\"inputs\": ")
+            answer = read_until_closed(sock, FAULT_BOUND_S)
+            assert answer is not None, "a stalled body held its connection"
+            assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+
+        # Past the connection cap: refused at once, served again once the idle ones are cut.
+        idle = [open_socket(server) for _ in range(24)]
+        slow.extend(idle)
+        with open_socket(server) as extra:
+            answer = read_until_closed(extra, FAULT_BOUND_S)
+        assert answer is not None and answer.startswith(b"HTTP/1.1 503"), answer
+        assert b"too many connections" in answer
+        deadline = time.monotonic() + FAULT_BOUND_S
+        while True:
+            try:
+                if httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "never served again after idle connections were cut"
+            time.sleep(0.5)
+        assert all(read_until_closed(sock, FAULT_BOUND_S) is not None for sock in idle), "an idle connection stayed open"
+    finally:
+        for sock in slow:
+            sock.close()
+        server.stop()
+    assert server.proc.returncode == 0, server.output()

@@ -163,6 +163,20 @@ pub struct Args {
     #[arg(long, env = "STEP_TIMEOUT", value_parser = clap::value_parser!(u32).range(1..))]
     pub step_timeout: Option<u32>,
 
+    /// Most open HTTP connections; one more is answered 503 and closed. Default: the
+    /// router's (1024).
+    #[arg(long, env = "MAX_CONNECTIONS", value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_connections: Option<u32>,
+
+    /// Seconds a client has to send a request's head, and the longest a keep-alive connection
+    /// may sit idle. Default: the router's (30 s).
+    #[arg(long, env = "HEADER_TIMEOUT", value_parser = clap::value_parser!(u32).range(1..))]
+    pub header_timeout: Option<u32>,
+
+    /// Seconds a request body may go without a byte arriving. Default: the router's (30 s).
+    #[arg(long, env = "BODY_TIMEOUT", value_parser = clap::value_parser!(u32).range(1..))]
+    pub body_timeout: Option<u32>,
+
     /// Seconds the router may spend finishing in-flight requests after SIGTERM/SIGINT.
     #[arg(long, env = "SHUTDOWN_TIMEOUT", default_value_t = 30)]
     pub shutdown_timeout: u64,

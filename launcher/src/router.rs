@@ -67,6 +67,9 @@ pub fn command(router: &Path, args: &Args, master_socket: &Path, model_dir: &Pat
         ("--ngram-max", args.ngram_max),
         ("--speculate-max-batch-size", args.speculate_max_batch_size),
         ("--speculate-max-step-tokens", args.speculate_max_step_tokens),
+        ("--max-connections", args.max_connections),
+        ("--header-timeout", args.header_timeout),
+        ("--body-timeout", args.body_timeout),
     ];
     for (flag, value) in optional_numbers {
         if let Some(value) = value {
@@ -205,13 +208,15 @@ mod tests {
             "--chat-template", "{{x}}", "--tool-call-parser", "mistral", "--api-key", "k", "--otlp-endpoint",
             "http://o", "--otlp-service-name", "s", "--cors-allow-origin", "http://a,http://b", "--no-prefix-caching", "--json-output", "--hourly-cost", "2.75",
             "--cost-window-secs", "30", "--step-timeout", "9",
+            "--max-connections", "7", "--header-timeout", "3", "--body-timeout", "4",
         ]);
         let tail = &got[20..];
         assert_eq!(
             tail,
             [
                 "--max-input-tokens", "10", "--max-total-tokens", "20", "--max-batch-prefill-tokens", "30",
-                "--max-batch-total-tokens", "40", "--max-batch-size", "5", "--step-timeout", "9", "--hourly-cost", "2.75",
+                "--max-batch-total-tokens", "40", "--max-batch-size", "5", "--step-timeout", "9",
+                "--max-connections", "7", "--header-timeout", "3", "--body-timeout", "4", "--hourly-cost", "2.75",
                 "--cost-window-secs", "30", "--served-model-name", "m",
                 "--chat-template", "{{x}}", "--tool-call-parser", "mistral",
                 "--otlp-endpoint", "http://o", "--otlp-service-name", "s", "--cors-allow-origin", "http://a", "--cors-allow-origin", "http://b",

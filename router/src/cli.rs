@@ -272,7 +272,7 @@ async fn serve(config: &RouterConfig, Started { infer, state }: Started) -> Resu
     let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel();
     let scheduler = infer.clone();
     let shutdown = drain_on_signal(infer, draining, config.shutdown_timeout(), stopped_tx);
-    let server = axum::serve(listener, app).with_graceful_shutdown(shutdown);
+    let server = http::serve::serve(listener, app, config.serve_options(), shutdown);
     // After the drain, connections still open (idle keep-alives, a stream
     // the scheduler never ended) get one more second, then we exit anyway.
     let forced_exit = async {
@@ -280,7 +280,7 @@ async fn serve(config: &RouterConfig, Started { infer, state }: Started) -> Resu
         tokio::time::sleep(Duration::from_secs(1)).await;
     };
     tokio::select! {
-        result = server => result.map_err(|e| format!("HTTP server failed: {e}"))?,
+        () = server => {}
         () = forced_exit => tracing::warn!("connections still open after draining; closing them"),
         failure = scheduler.failed() => {
             // Crash-only: a router without a scheduler would answer 503

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use clap::Parser;
 
+use crate::http::serve::ServeOptions;
 use crate::scheduler::StepDeadline;
 
 #[derive(Debug, Clone, Parser)]
@@ -73,6 +74,16 @@ pub struct RouterConfig {
     /// Largest request body in bytes (HTTP 413 above).
     #[arg(long, env = "PAYLOAD_LIMIT", default_value_t = 2_000_000)]
     pub payload_limit: usize,
+    /// Most open HTTP connections; one more is answered 503 and closed.
+    #[arg(long, env = "SLUICE_MAX_CONNECTIONS", default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_connections: u32,
+    /// Seconds a client has to send a request's head; also how long a
+    /// keep-alive connection may sit idle between requests.
+    #[arg(long, env = "SLUICE_HEADER_TIMEOUT", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    pub header_timeout: u64,
+    /// Seconds a request body may go without a byte arriving (HTTP 408).
+    #[arg(long, env = "SLUICE_BODY_TIMEOUT", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    pub body_timeout: u64,
     /// Seconds in-flight requests get to finish after SIGTERM/SIGINT.
     #[arg(long, env = "SLUICE_SHUTDOWN_TIMEOUT", default_value_t = 30)]
     pub shutdown_timeout: u64,
@@ -190,6 +201,14 @@ impl RouterConfig {
 
     pub fn cost_window(&self) -> Duration {
         Duration::from_secs(self.cost_window_secs)
+    }
+
+    pub fn serve_options(&self) -> ServeOptions {
+        ServeOptions {
+            max_connections: self.max_connections as usize,
+            header_timeout: Duration::from_secs(self.header_timeout),
+            body_timeout: Duration::from_secs(self.body_timeout),
+        }
     }
 
     pub fn step_deadline(&self) -> StepDeadline {

@@ -21,8 +21,11 @@ pub enum ApiError {
     Validation(#[from] ValidationError),
     #[error(transparent)]
     Infer(#[from] InferError),
-    #[error("the request body is larger than the limit of {0} bytes (--payload-limit)")]
-    PayloadTooLarge(usize),
+    #[error("the request body is larger than the server's limit (--payload-limit)")]
+    PayloadTooLarge,
+    /// The body stopped arriving for longer than `--body-timeout`.
+    #[error("the request body stopped arriving (--body-timeout)")]
+    BodyTimeout,
     #[error("missing or invalid API key")]
     Unauthorized,
     /// The router is draining (SIGTERM) and takes no new requests.
@@ -61,7 +64,8 @@ impl ApiError {
             Self::Infer(InferError::ShuttingDown) | Self::Draining => StatusCode::SERVICE_UNAVAILABLE,
             Self::Infer(InferError::Generation(_)) => StatusCode::INTERNAL_SERVER_ERROR,
             Self::Infer(InferError::Unschedulable(_)) => StatusCode::UNPROCESSABLE_ENTITY,
-            Self::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
         }
     }
@@ -72,7 +76,8 @@ impl ApiError {
             Self::Validation(ValidationError::ModelNotFound(_)) => ("invalid_request_error", Some("model_not_found")),
             Self::Validation(ValidationError::Tokenizer(_)) => ("server_error", None),
             Self::Validation(_) | Self::Infer(InferError::Unschedulable(_)) => ("invalid_request_error", None),
-            Self::PayloadTooLarge(_) => ("invalid_request_error", Some("payload_too_large")),
+            Self::PayloadTooLarge => ("invalid_request_error", Some("payload_too_large")),
+            Self::BodyTimeout => ("invalid_request_error", Some("request_timeout")),
             Self::Infer(InferError::Overloaded(_)) => ("rate_limit_error", Some("overloaded")),
             Self::Infer(InferError::ShuttingDown) | Self::Draining => ("service_unavailable", Some("shutting_down")),
             Self::Infer(InferError::Generation(_)) => ("server_error", Some("generation_failed")),
@@ -85,7 +90,8 @@ impl ApiError {
         match self {
             Self::Validation(ValidationError::Tokenizer(_)) => "tokenizer",
             Self::Validation(_) | Self::Infer(InferError::Unschedulable(_)) => "validation",
-            Self::PayloadTooLarge(_) => "payload_too_large",
+            Self::PayloadTooLarge => "payload_too_large",
+            Self::BodyTimeout => "request_timeout",
             Self::Infer(InferError::Overloaded(_)) => "overloaded",
             Self::Infer(InferError::ShuttingDown) | Self::Draining => "unhealthy",
             Self::Infer(InferError::Generation(_)) => "generation",
@@ -188,7 +194,9 @@ impl IntoResponse for TgiError {
 pub fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     body.map_err(|rejection| {
         if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::PayloadTooLarge(0)
+            ApiError::PayloadTooLarge
+        } else if body_timed_out(&rejection) {
+            ApiError::BodyTimeout
         } else {
             ApiError::Validation(ValidationError::Body {
                 field: None,
@@ -196,6 +204,19 @@ pub fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError
             })
         }
     })
+}
+
+/// Whether the body stopped arriving: `--body-timeout` (http/serve.rs)
+/// ended it, somewhere down the rejection's chain of causes.
+fn body_timed_out(rejection: &BytesRejection) -> bool {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(rejection);
+    while let Some(error) = cause {
+        if error.is::<tower_http::timeout::TimeoutError>() {
+            return true;
+        }
+        cause = error.source();
+    }
+    false
 }
 
 /// A handler's body as `T`: [`body_bytes`], then [`parse_json`].

@@ -484,7 +484,7 @@ impl RequestRecord {
 
     pub fn failed(&mut self, error: &ApiError) {
         self.outcome = match error {
-            ApiError::Validation(_) | ApiError::PayloadTooLarge(_) | ApiError::Unauthorized => "invalid",
+            ApiError::Validation(_) | ApiError::PayloadTooLarge | ApiError::BodyTimeout | ApiError::Unauthorized => "invalid",
             ApiError::Infer(InferError::Overloaded(_)) => "overloaded",
             ApiError::Infer(InferError::ShuttingDown) | ApiError::Draining => "unavailable",
             ApiError::Infer(InferError::Unschedulable(_)) => "invalid",

@@ -8,10 +8,12 @@
 //!   to: submission, `n` choices, collected or streamed results, usage.
 //! - `sse`        - server-sent event framing.
 //! - `error`      - every error leaves through here, in each API's shape.
+//! - `serve`      - the connection loop: connection cap, header and body timeouts.
 
 pub mod error;
 pub mod generation;
 pub mod openai;
+pub mod serve;
 pub mod sse;
 pub mod state;
 pub mod tgi;
@@ -91,11 +93,19 @@ async fn require_api_key(State(state): State<Arc<AppState>>, request: Request, n
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .and_then(bearer_token);
-        if given != Some(key.as_str()) {
+        if !given.is_some_and(|given| same_key(given, key)) {
             return api_error_for(request.uri().path(), ApiError::Unauthorized);
         }
     }
     next.run(request).await
+}
+
+/// Compares a client's key with ours in time that does not depend on where
+/// they differ (a timing side channel would reveal the key byte by byte).
+fn same_key(given: &str, key: &str) -> bool {
+    let (given, key) = (given.as_bytes(), key.as_bytes());
+    let difference = given.iter().zip(key).fold(0u8, |acc, (a, b)| acc | (a ^ b));
+    std::hint::black_box(difference) == 0 && given.len() == key.len()
 }
 
 /// The token of `Authorization: Bearer TOKEN`. The scheme is

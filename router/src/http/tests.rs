@@ -509,3 +509,13 @@ fn bearer_scheme_is_case_insensitive_the_token_is_not() {
     assert_eq!(bearer_token("k1"), None);
     assert_eq!(bearer_token("Bearer"), None);
 }
+
+#[test]
+fn keys_compare_whole() {
+    use super::same_key;
+    assert!(same_key("sk-1234", "sk-1234"));
+    assert!(!same_key("sk-1235", "sk-1234"));
+    assert!(!same_key("sk-123", "sk-1234"));
+    assert!(!same_key("sk-12345", "sk-1234"));
+    assert!(!same_key("", "sk-1234"));
+}

@@ -286,10 +286,11 @@ impl Scheduler {
         }
         let active = self.waiting.len() + self.running.len();
         if active >= self.config.max_concurrent_requests as usize {
-            return Err(InferError::Overloaded(format!(
-                "{active} requests are queued or running (max_concurrent_requests = {})",
-                self.config.max_concurrent_requests
-            )));
+            // The client learns no queue depth; the log does.
+            tracing::debug!(active, "overloaded: --max-concurrent-requests reached");
+            return Err(InferError::Overloaded(
+                "the server is at its limit of concurrent requests; retry shortly".into(),
+            ));
         }
         self.check_schedulable(&entry)?;
         let id = self.next_id;
