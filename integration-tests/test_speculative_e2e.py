@@ -27,8 +27,9 @@ def speculating(tmp_path_factory):
     server = start_launcher(
         *SESSION_FLAGS,
         "--speculate", "ngram", "--speculate-tokens", "4",
-        # 32 concurrent requests still speculate (the back-off is tested by the router's tests).
-        "--speculate-max-batch-size", "64",
+        # 32 concurrent requests still speculate, with room for their drafts
+        # (the back-off and the step limit are tested by the router's tests).
+        "--speculate-max-batch-size", "64", "--speculate-max-step-tokens", "1024",
         tmp=tmp_path_factory.mktemp("speculating"),
     )
     yield server
@@ -77,9 +78,11 @@ def test_32_concurrent_streams_identical_on_and_off(speculating, launcher):
             return [await stream_completion(client, model, p, 24) for p in prompts]
 
     off = asyncio.run(texts(launcher.base_url, together=False))
+    before = metric(speculating.base_url, "sluice_speculative_proposed_tokens_total")
     on = asyncio.run(texts(speculating.base_url, together=True))
     assert all(off)
     assert on == off
+    assert metric(speculating.base_url, "sluice_speculative_proposed_tokens_total") > before, "nothing was drafted"
 
 
 def test_tiny_kv_cache_preemption_with_speculation(tiny_model_dir, tmp_path):
@@ -90,7 +93,7 @@ def test_tiny_kv_cache_preemption_with_speculation(tiny_model_dir, tmp_path):
         "--max-input-tokens", "48", "--max-total-tokens", "96",
         "--max-batch-total-tokens", str(4 * 96),
         "--max-concurrent-requests", "128",
-        "--speculate", "ngram", "--speculate-max-batch-size", "64",
+        "--speculate", "ngram", "--speculate-max-batch-size", "64", "--speculate-max-step-tokens", "1024",
         tmp=tmp_path,
     )
     try:
