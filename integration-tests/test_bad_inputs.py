@@ -34,6 +34,17 @@ CASES = [
     ("/generate", lambda m: {"inputs": "", "parameters": {"max_new_tokens": 4}}, 422, None, ["empty"]),
     ("/generate", lambda m: {"inputs": "hi", "parameters": {"max_new_tokens": 0}}, 422, None, ["max_new_tokens"]),
     ("/generate", lambda m: {"inputs": "hi", "parameters": {"top_n_tokens": 1000}}, 422, None, ["top_n_tokens"]),
+    # Limits of issue 16: a max_tokens near 2^64 (no overflow), a stop
+    # sequence longer than 1024 bytes, one token biased under two spellings
+    # (keys are read in sorted order: "5" comes second),
+    # more than 1024 biased tokens.
+    ("/v1/completions", lambda m: {"model": m, "prompt": "hi", "max_tokens": 2**64 - 1}, 400, "max_tokens",
+     [str(2**64 - 1)]),
+    ("/v1/chat/completions", lambda m: chat(m, stop=["ok", "x" * 1025]), 400, "stop[1]", ["1024 bytes"]),
+    ("/v1/chat/completions", lambda m: chat(m, logit_bias={"5": 10, "05": 10}), 400, "logit_bias.5",
+     ["more than once"]),
+    ("/v1/chat/completions", lambda m: chat(m, logit_bias={str(i): 1 for i in range(1025)}), 400, "logit_bias",
+     ["at most 1024"]),
 ]
 
 

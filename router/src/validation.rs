@@ -38,7 +38,7 @@ pub enum ValidationError {
     #[error("`{field}`: the prompt has {tokens} tokens, more than the maximum of {max} (--max-input-tokens)")]
     InputTooLong { field: String, tokens: usize, max: u32 },
     #[error("`{field}`: {input} prompt tokens + {max_new_tokens} new tokens = {total}, more than the maximum of {max_total} (--max-total-tokens)")]
-    TotalTooLong { field: String, input: usize, max_new_tokens: u32, total: usize, max_total: u32 },
+    TotalTooLong { field: String, input: usize, max_new_tokens: u64, total: u64, max_total: u32 },
     #[error("`{field}`: token id {id} is not in the vocabulary (size {vocab_size})")]
     UnknownToken { field: String, id: u64, vocab_size: u32 },
     #[error("`stop`: at most {max} stop sequences are allowed (--max-stop-sequences), got {got}")]
@@ -77,6 +77,11 @@ impl ValidationError {
         }
     }
 }
+
+/// Most entries of `logit_bias` in one request (OpenAI allows 300).
+pub const MAX_LOGIT_BIAS: usize = 1024;
+/// Longest stop sequence, in bytes.
+pub const MAX_STOP_BYTES: usize = 1024;
 
 fn out_of_range(field: &str, message: impl Into<String>) -> ValidationError {
     ValidationError::OutOfRange {
@@ -567,12 +572,13 @@ impl Validation {
             Some(0) => {
                 return Err(out_of_range(params.max_new_tokens_field, "must be at least 1"));
             }
-            Some(n) if n as usize > room => {
+            Some(n) if n > room as u64 => {
                 return Err(ValidationError::TotalTooLong {
                     field: params.max_new_tokens_field.into(),
                     input: input_ids.len(),
-                    max_new_tokens: n.min(u64::from(u32::MAX)) as u32,
-                    total: input_ids.len() + n as usize,
+                    max_new_tokens: n,
+                    // n may be anything up to u64::MAX.
+                    total: (input_ids.len() as u64).saturating_add(n),
                     max_total: limits.max_total_tokens,
                 });
             }
@@ -583,7 +589,7 @@ impl Validation {
                     field: input_field.into(),
                     input: input_ids.len(),
                     max_new_tokens: 1,
-                    total: input_ids.len() + 1,
+                    total: input_ids.len() as u64 + 1,
                     max_total: limits.max_total_tokens,
                 });
             }
@@ -599,6 +605,9 @@ impl Validation {
         }
         if params.stop.iter().any(String::is_empty) {
             return Err(ValidationError::Empty { field: "stop".into() });
+        }
+        if let Some(long) = params.stop.iter().position(|s| s.len() > MAX_STOP_BYTES) {
+            return Err(out_of_range(&format!("stop[{long}]"), format!("must be at most {MAX_STOP_BYTES} bytes long")));
         }
         if params.top_n_tokens > limits.max_top_n_tokens {
             return Err(out_of_range(
@@ -689,7 +698,14 @@ impl Validation {
         };
         let frequency_penalty = penalty("frequency_penalty", p.frequency_penalty)?;
         let presence_penalty = penalty("presence_penalty", p.presence_penalty)?;
-        let mut logit_bias = Vec::with_capacity(p.logit_bias.len());
+        if p.logit_bias.len() > MAX_LOGIT_BIAS {
+            return Err(out_of_range(
+                "logit_bias",
+                format!("at most {MAX_LOGIT_BIAS} tokens may be biased, got {}", p.logit_bias.len()),
+            ));
+        }
+        let mut logit_bias: Vec<(u32, f32)> = Vec::with_capacity(p.logit_bias.len());
+        let mut biased = std::collections::HashSet::with_capacity(p.logit_bias.len());
         for (field, key, bias) in &p.logit_bias {
             let id: u64 = key.parse().map_err(|_| ValidationError::OutOfRange {
                 field: field.clone(),
@@ -698,6 +714,10 @@ impl Validation {
             let id = self.check_token(field, id)?;
             if !bias.is_finite() || !(-100.0..=100.0).contains(bias) {
                 return Err(out_of_range(field, "bias must be in [-100, 100]"));
+            }
+            // "5", "05" and "+5" are one token: its bias is given once.
+            if !biased.insert(id) {
+                return Err(out_of_range(field, format!("token id {id} is biased more than once")));
             }
             logit_bias.push((id, *bias));
         }
@@ -771,6 +791,43 @@ pub(crate) mod tests {
         assert_eq!(err.param(), Some("max_tokens"));
         let err = check(vec![5; 6], GenerateParameters { max_new_tokens: Some(0), ..Default::default() }).unwrap_err();
         assert_eq!(err.param(), Some("max_tokens"));
+    }
+
+    #[test]
+    fn max_tokens_near_u64_max_is_a_clear_error() {
+        let err = check(vec![5; 6], GenerateParameters { max_new_tokens: Some(u64::MAX), ..Default::default() })
+            .unwrap_err();
+        assert!(matches!(err, ValidationError::TotalTooLong { total: u64::MAX, max_new_tokens: u64::MAX, .. }), "{err}");
+        assert!(err.to_string().contains(&u64::MAX.to_string()), "{err}");
+    }
+
+    #[test]
+    fn a_stop_sequence_has_a_length_limit() {
+        let stop = |s: String| GenerateParameters { stop: vec!["ok".into(), s], ..Default::default() };
+        assert!(check(vec![5; 2], stop("x".repeat(MAX_STOP_BYTES))).is_ok());
+        let err = check(vec![5; 2], stop("x".repeat(MAX_STOP_BYTES + 1))).unwrap_err();
+        assert_eq!(err.param(), Some("stop[1]"), "{err}");
+    }
+
+    #[test]
+    fn one_token_is_biased_once_and_the_count_is_capped() {
+        let bias = |keys: &[&str]| GenerateParameters {
+            logit_bias: keys.iter().map(|k| (format!("logit_bias.{k}"), k.to_string(), 50.0)).collect(),
+            ..Default::default()
+        };
+        assert_eq!(check(vec![5; 2], bias(&["05"])).unwrap().request.params.logit_bias, [(5, 50.0)]);
+        for keys in [["5", "05"], ["5", "+5"], ["05", "+5"]] {
+            let err = check(vec![5; 2], bias(&keys)).unwrap_err();
+            assert_eq!(err.param(), Some(format!("logit_bias.{}", keys[1]).as_str()), "{err}");
+            assert!(err.to_string().contains("more than once"), "{err}");
+        }
+        let many: Vec<String> = (0..=MAX_LOGIT_BIAS).map(|i| i.to_string()).collect();
+        let keys: Vec<&str> = many.iter().map(String::as_str).collect();
+        let mut v = validation();
+        v.vocab_size = 4096;
+        let err = v.validate(vec![5; 2], "prompt", bias(&keys)).unwrap_err();
+        assert_eq!(err.param(), Some("logit_bias"), "{err}");
+        assert!(v.validate(vec![5; 2], "prompt", bias(&keys[..MAX_LOGIT_BIAS])).is_ok());
     }
 
     #[test]
