@@ -38,6 +38,26 @@ fn drafts_in_steps(handle: &sluice_router::testing::fake_shard::FakeShardHandle)
     (with, tokens)
 }
 
+/// Four clients at once, each with its own 12-token prompt (token t of
+/// client i is 1 + (t * a + i * b) % 30), 40 tokens each: every one gets
+/// its solo tokens.
+async fn four_clients(infer: &sluice_router::infer::Infer, fake: &FakeShardConfig, a: u32, b: u32) {
+    let tasks: Vec<_> = (0..4u32)
+        .map(|i| {
+            let infer = infer.clone();
+            let fake = fake.clone();
+            tokio::spawn(async move {
+                let prompt: Vec<u32> = (0..12).map(|t| 1 + (t * a + i * b) % 30).collect();
+                let out = generate(&infer, prompt.clone(), 40).await;
+                assert_eq!(out.tokens, expected_tokens(&fake, &prompt, 40));
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+}
+
 #[tokio::test]
 async fn one_request_gets_its_solo_tokens_in_fewer_steps() {
     let fake = echoing(64);
@@ -130,20 +150,7 @@ async fn drafts_respect_the_step_budget() {
     let mut config = speculating(&fake, 8);
     config.max_batch_prefill_tokens = 6;
     let (infer, handle) = start(fake.clone(), config);
-    let tasks: Vec<_> = (0..4u32)
-        .map(|i| {
-            let infer = infer.clone();
-            let fake = fake.clone();
-            tokio::spawn(async move {
-                let prompt: Vec<u32> = (0..12).map(|t| 1 + (t * 5 + i * 7) % 30).collect();
-                let out = generate(&infer, prompt.clone(), 40).await;
-                assert_eq!(out.tokens, expected_tokens(&fake, &prompt, 40));
-            })
-        })
-        .collect();
-    for t in tasks {
-        t.await.unwrap();
-    }
+    four_clients(&infer, &fake, 5, 7).await;
     assert_no_leak(&infer, &handle).await;
     for step in handle.steps() {
         let tokens: usize = step.new_requests.iter().map(|r| r.num_new_tokens as usize).sum::<usize>()
@@ -161,20 +168,7 @@ async fn drafts_fill_a_step_up_to_max_step_tokens() {
         spec.max_step_tokens = 10;
     }
     let (infer, handle) = start(fake.clone(), config);
-    let tasks: Vec<_> = (0..4u32)
-        .map(|i| {
-            let infer = infer.clone();
-            let fake = fake.clone();
-            tokio::spawn(async move {
-                let prompt: Vec<u32> = (0..12).map(|t| 1 + (t * 3 + i * 11) % 30).collect();
-                let out = generate(&infer, prompt.clone(), 40).await;
-                assert_eq!(out.tokens, expected_tokens(&fake, &prompt, 40));
-            })
-        })
-        .collect();
-    for t in tasks {
-        t.await.unwrap();
-    }
+    four_clients(&infer, &fake, 3, 11).await;
     assert_no_leak(&infer, &handle).await;
     let mut full = 0;
     for step in handle.steps() {
