@@ -6,10 +6,13 @@ use super::speculation::propose;
 use super::Scheduler;
 
 impl Scheduler {
-    /// The draft of decoding request `id` for this step, at most `spare`
-    /// tokens, with blocks for its slots already in the request's table.
-    pub(crate) fn draft(&mut self, id: u64, spare: usize) -> Vec<u32> {
+    /// The draft of decoding request `id` for this step, with blocks for its
+    /// slots already in the request's table: at most `spare` tokens, and
+    /// no more than fill a step of `step_tokens` tokens (without the draft)
+    /// to `--speculate-max-step-tokens`.
+    pub(crate) fn draft(&mut self, id: u64, spare: usize, step_tokens: usize) -> Vec<u32> {
         let Some(spec) = self.config.speculation.as_ref() else { return Vec::new() };
+        let spare = spare.min(spec.max_step_tokens.saturating_sub(step_tokens));
         if self.running.len() > spec.max_batch_size || spare == 0 {
             return Vec::new();
         }
@@ -34,12 +37,6 @@ impl Scheduler {
         self.kv.allocate_free(&mut r.blocks, needed);
         draft.truncate((r.blocks.len() * bs).saturating_sub(r.tokens.len()));
         draft
-    }
-
-    /// Draft tokens a step that computes `step_tokens` tokens without them
-    /// may add (`--speculate-max-step-tokens`).
-    pub(crate) fn draft_room(&self, step_tokens: usize) -> usize {
-        self.config.speculation.as_ref().map_or(0, |s| s.max_step_tokens.saturating_sub(step_tokens))
     }
 
     /// Running request `index` had `accepted` of its `proposed` draft tokens

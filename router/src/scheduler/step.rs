@@ -126,12 +126,10 @@ impl Scheduler {
                 continue; // it was preempted itself
             }
             *budget -= num_new_tokens;
-            let draft = if i < num_decodes {
+            let draft = if i < num_decodes && self.config.speculation.is_some() {
                 // Every later decode keeps its one token.
                 let later = num_decodes - i - 1;
-                let planned: usize = plan.entries.iter().map(|e| e.num_new_tokens + e.draft.len()).sum();
-                let room = self.draft_room(planned + num_new_tokens + later);
-                self.draft(id, budget.saturating_sub(later).min(room))
+                self.draft(id, budget.saturating_sub(later), plan.tokens() + num_new_tokens + later)
             } else {
                 Vec::new()
             };
