@@ -266,3 +266,18 @@ async def stream_completion(client: httpx.AsyncClient, model: str, prompt, max_t
                     if first_token is not None:
                         first_token.set()
     return text
+
+
+def alone_then_together(base_url: str, model: str, prompts: list, max_tokens: int) -> tuple[list[str], list[str]]:
+    """Each prompt's greedy streamed text (ignore_eos) when it runs alone,
+    one after another, then when all run at once."""
+
+    async def run():
+        limits = httpx.Limits(max_connections=len(prompts) + 16)
+        async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
+            alone = [await stream_completion(client, model, p, max_tokens, ignore_eos=True) for p in prompts]
+            together = await asyncio.gather(
+                *(stream_completion(client, model, p, max_tokens, ignore_eos=True) for p in prompts))
+            return alone, list(together)
+
+    return asyncio.run(run())

@@ -19,7 +19,7 @@ import time
 
 import httpx
 
-from conftest import sse_chunks, start_launcher, stream_completion
+from conftest import alone_then_together, sse_chunks, start_launcher, stream_completion
 
 BLOCK = 16  # the launcher's default --block-size
 
@@ -136,17 +136,8 @@ def test_tiny_kv_cache_preempts_and_every_request_matches_alone(tiny_model_dir, 
     try:
         model = model_name(server.base_url)
         prompts = [word_tokens(server.base_url, 100 + i, 24 + i % 24) for i in range(64)]
-
-        async def run():
-            limits = httpx.Limits(max_connections=80)
-            async with httpx.AsyncClient(base_url=server.base_url, timeout=600, limits=limits) as client:
-                alone = [await stream_completion(client, model, p, 48, ignore_eos=True) for p in prompts]
-                together = await asyncio.gather(
-                    *(stream_completion(client, model, p, 48, ignore_eos=True) for p in prompts))
-                return alone, together
-
         preemptions_before = metric(server.base_url, "sluice_preemptions_total")
-        alone, together = asyncio.run(run())
+        alone, together = alone_then_together(server.base_url, model, prompts, 48)
         preemptions = metric(server.base_url, "sluice_preemptions_total") - preemptions_before
         outcomes = {o: metric(server.base_url, "sluice_requests_total", f'outcome="{o}"')
                     for o in ("success", "cancelled")}

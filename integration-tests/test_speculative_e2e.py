@@ -9,7 +9,7 @@ import asyncio
 import httpx
 import pytest
 
-from conftest import SESSION_FLAGS, start_launcher, stream_completion
+from conftest import SESSION_FLAGS, alone_then_together, start_launcher, stream_completion
 from test_greedy_golden import PROMPTS as GOLDEN_PROMPTS
 from test_prefix_caching import metric, model_name, word_tokens
 
@@ -103,16 +103,7 @@ def test_tiny_kv_cache_preemption_with_speculation(tiny_model_dir, tmp_path):
         for i in range(48):
             half = word_tokens(server.base_url, 300 + i, 12 + i % 12)
             prompts.append(half + half)
-
-        async def run():
-            limits = httpx.Limits(max_connections=64)
-            async with httpx.AsyncClient(base_url=server.base_url, timeout=600, limits=limits) as client:
-                alone = [await stream_completion(client, model, p, 48, ignore_eos=True) for p in prompts]
-                together = await asyncio.gather(
-                    *(stream_completion(client, model, p, 48, ignore_eos=True) for p in prompts))
-                return alone, together
-
-        alone, together = asyncio.run(run())
+        alone, together = alone_then_together(server.base_url, model, prompts, 48)
         preemptions = metric(server.base_url, "sluice_preemptions_total")
         proposed = metric(server.base_url, "sluice_speculative_proposed_tokens_total")
     finally:
