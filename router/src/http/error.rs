@@ -224,6 +224,11 @@ pub fn parse_body<T: serde::de::DeserializeOwned>(body: Result<Bytes, BytesRejec
     parse_json(&body_bytes(body)?)
 }
 
+/// The most top-level keys a request body may have. Every API's body has a
+/// few dozen fields; the cap bounds the one search below that is linear in
+/// them, and tells a client sending junk what is wrong.
+pub const MAX_TOP_LEVEL_KEYS: usize = 256;
+
 /// Parses a JSON body, naming the offending field on failure
 /// (`messages[0].content: invalid type: ...`).
 pub fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
@@ -233,12 +238,16 @@ pub fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiE
             message: format!("the request body is not valid JSON: {e}"),
         })
     })?;
+    if let Some(keys) = value.as_object().map(serde_json::Map::len).filter(|&n| n > MAX_TOP_LEVEL_KEYS) {
+        return Err(ApiError::Validation(ValidationError::Body {
+            field: None,
+            message: format!("the request body has {keys} top-level fields; at most {MAX_TOP_LEVEL_KEYS} are accepted"),
+        }));
+    }
     serde_path_to_error::deserialize::<_, T>(&value).map_err(|e| {
         let path = e.path().to_string();
-        // `#[serde(flatten)]` fields lose their path inside serde; find the
-        // culprit by leaving out one top-level key at a time (error path only).
         let field = match path.as_str() {
-            "." | "?" | "" => culprit_key::<T>(&value),
+            "." | "?" | "" => missing_field(&e.inner().to_string()).or_else(|| culprit_key::<T>(value)),
             _ => Some(path),
         };
         let message = match &field {
@@ -249,19 +258,34 @@ pub fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiE
     })
 }
 
-/// The top-level key whose removal makes `value` deserialize, if exactly one
-/// does (flattened fields are optional ones, so leaving one out is valid).
-fn culprit_key<T: serde::de::DeserializeOwned>(value: &serde_json::Value) -> Option<String> {
-    let object = value.as_object()?;
+/// The field serde names in "missing field `name`".
+fn missing_field(message: &str) -> Option<String> {
+    let rest = message.strip_prefix("missing field `")?;
+    Some(rest[..rest.find('`')?].to_string())
+}
+
+/// `#[serde(flatten)]` fields lose their path inside serde: the top-level
+/// key whose removal makes `value` deserialize, if exactly one does
+/// (flattened fields are optional ones, so leaving one out is valid). Error
+/// path only; each try deserializes the body once, and there are at most
+/// [`MAX_TOP_LEVEL_KEYS`] of them (keys are taken out and put back, never
+/// copied).
+fn culprit_key<T: serde::de::DeserializeOwned>(value: serde_json::Value) -> Option<String> {
+    let serde_json::Value::Object(object) = value else { return None };
+    let keys: Vec<String> = object.keys().cloned().collect();
+    let mut rest = serde_json::Value::Object(object);
     let mut found = None;
-    for key in object.keys() {
-        let mut without = object.clone();
-        without.remove(key);
-        if serde_json::from_value::<T>(serde_json::Value::Object(without)).is_ok() {
+    for key in keys {
+        let serde_json::Value::Object(map) = &mut rest else { unreachable!("rest stays an object") };
+        let taken = map.remove(&key)?;
+        let parses = T::deserialize(&rest).is_ok();
+        let serde_json::Value::Object(map) = &mut rest else { unreachable!("rest stays an object") };
+        map.insert(key.clone(), taken);
+        if parses {
             if found.is_some() {
                 return None;
             }
-            found = Some(key.clone());
+            found = Some(key);
         }
     }
     found
@@ -313,6 +337,30 @@ mod tests {
         let body = err.openai_body();
         assert_eq!(body.error.param.as_deref(), Some("temperature"));
         assert!(body.error.message.contains("`temperature`: invalid type"), "{}", body.error.message);
+    }
+
+    #[test]
+    fn missing_fields_are_named_without_a_search() {
+        let err = parse_json::<Flattened>(br#"{"temperature": 1}"#).unwrap_err();
+        assert_eq!(err.openai_body().error.param.as_deref(), Some("model"));
+    }
+
+    #[test]
+    fn junk_keys_are_capped_and_the_culprit_still_found() {
+        let mut body = serde_json::Map::new();
+        for i in 0..=MAX_TOP_LEVEL_KEYS {
+            body.insert(format!("junk{i}"), serde_json::Value::from(i));
+        }
+        let err = parse_json::<Flattened>(&serde_json::to_vec(&body).unwrap()).unwrap_err();
+        let message = err.openai_body().error.message;
+        assert!(message.contains(&format!("{} top-level fields", MAX_TOP_LEVEL_KEYS + 1)), "{message}");
+
+        // Just under the cap, the flattened culprit is still named.
+        body.retain(|k, _| k != "junk0" && k != "junk1" && k != "junk2");
+        body.insert("model".into(), "m".into());
+        body.insert("temperature".into(), "hot".into());
+        let err = parse_json::<Flattened>(&serde_json::to_vec(&body).unwrap()).unwrap_err();
+        assert_eq!(err.openai_body().error.param.as_deref(), Some("temperature"));
     }
 
     #[test]
