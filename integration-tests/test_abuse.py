@@ -16,6 +16,7 @@ startup and never set in production.
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import signal
@@ -96,6 +97,69 @@ class HealthWatch:
         assert self.slowest <= HEALTH_BOUND_S, (
             f"/health took {self.slowest:.2f}s (bound {HEALTH_BOUND_S}s) during the hostile requests"
         )
+
+
+# --- Hostile or oversized requests (items 1-3) ----------------------------------
+
+
+def post_all(url: str, bodies: list[bytes]) -> list[httpx.Response]:
+    """POSTs every body at once, each from its own thread."""
+    answers: list[httpx.Response | None] = [None] * len(bodies)
+
+    def send(i: int) -> None:
+        answers[i] = httpx.post(url, content=bodies[i], headers={"content-type": "application/json"},
+                                timeout=FAULT_BOUND_S)
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=FAULT_BOUND_S + 10)
+    assert all(a is not None for a in answers), "a request got no answer"
+    return answers  # type: ignore[return-value]
+
+
+def test_heavy_and_fanned_out_bodies_get_a_4xx_and_others_are_served(tiny_model_dir, tmp_path):
+    """1: bodies of thousands of junk keys (once 15-32 s of work each) are
+    refused at once, and a flattened field's type error is still named. 2: a
+    prompt list past --max-client-batch-size, or prompts x n past
+    --max-concurrent-requests, is a 400 before any prompt is tokenized. 3:
+    bodies that take the tokenizer seconds, sent together, leave /health
+    and other clients answered (their work runs off the async workers)."""
+    server = start_launcher("--model-id", str(tiny_model_dir), "--max-client-batch-size", "4",
+                            "--max-concurrent-requests", "8", tmp=tmp_path)
+    try:
+        with HealthWatch(server.base_url) as watch:
+            junk = {f"junk{i}": i for i in range(20_000)}
+            answers = post_all(f"{server.base_url}/generate", [json.dumps(junk).encode()] * 2)
+            for answer in answers:
+                assert answer.status_code == 422, answer.text
+                assert "top-level fields" in answer.json()["error"], answer.text
+            answers = post_all(f"{server.base_url}/v1/completions",
+                               [json.dumps({"prompt": "a", "temperature": "hot", **dict(list(junk.items())[:200])}).encode()])
+            assert answers[0].status_code == 400, answers[0].text
+            assert answers[0].json()["error"]["param"] == "temperature", answers[0].text
+
+            too_many = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": ["a"] * 5}, timeout=FAULT_BOUND_S)
+            assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "prompt", too_many.text
+            fan_out = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": ["a"] * 3, "n": 4},
+                                 timeout=FAULT_BOUND_S)
+            assert fan_out.status_code == 400 and fan_out.json()["error"]["param"] == "n", fan_out.text
+            assert "12 sequences" in fan_out.json()["error"]["message"], fan_out.text
+
+            # Just under the payload limit, all text to tokenize: too long once tokenized.
+            long_chat = {"messages": [{"role": "user", "content": "lorem ipsum dolor " * 100_000}], "max_tokens": 1}
+            answers = post_all(f"{server.base_url}/v1/chat/completions", [json.dumps(long_chat).encode()] * 4)
+            for answer in answers:
+                assert answer.status_code == 400, answer.text
+                assert "--max-input-tokens" in answer.json()["error"]["message"], answer.text
+            ok = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": ["The sea", "A cat"], "n": 2, "max_tokens": 3},
+                            timeout=FAULT_BOUND_S)
+            assert ok.status_code == 200 and len(ok.json()["choices"]) == 4, ok.text
+        watch.assert_healthy()
+    finally:
+        server.stop()
+    assert server.proc.returncode == 0, server.output()
 
 
 # --- Access (items 12, 13) ------------------------------------------------------

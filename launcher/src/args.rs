@@ -163,6 +163,10 @@ pub struct Args {
     #[arg(long, env = "STEP_TIMEOUT", value_parser = clap::value_parser!(u32).range(1..))]
     pub step_timeout: Option<u32>,
 
+    /// The most prompts one /v1/completions request may list. Default: the router's (32).
+    #[arg(long, env = "MAX_CLIENT_BATCH_SIZE", value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_client_batch_size: Option<u32>,
+
     /// Most open HTTP connections; one more is answered 503 and closed. Default: the
     /// router's (1024).
     #[arg(long, env = "MAX_CONNECTIONS", value_parser = clap::value_parser!(u32).range(1..))]

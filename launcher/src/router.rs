@@ -67,6 +67,7 @@ pub fn command(router: &Path, args: &Args, master_socket: &Path, model_dir: &Pat
         ("--ngram-max", args.ngram_max),
         ("--speculate-max-batch-size", args.speculate_max_batch_size),
         ("--speculate-max-step-tokens", args.speculate_max_step_tokens),
+        ("--max-client-batch-size", args.max_client_batch_size),
         ("--max-connections", args.max_connections),
         ("--header-timeout", args.header_timeout),
         ("--body-timeout", args.body_timeout),

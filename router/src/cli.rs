@@ -214,6 +214,8 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
                 max_stop_sequences: config.max_stop_sequences,
                 max_top_n_tokens: config.max_top_n_tokens,
                 max_n: config.max_n,
+                max_client_batch_size: config.max_client_batch_size,
+                max_sequences: config.max_concurrent_requests,
             },
             vocab_size,
             defaults: files.defaults,
@@ -250,6 +252,7 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
         progress_timeout: Duration::from_secs(config.progress_timeout),
         api_key: config.api_key.clone(),
         started: Instant::now(),
+        cpu_work: AppState::cpu_workers(),
     });
     Ok(Started { infer, state })
 }

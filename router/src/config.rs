@@ -56,6 +56,9 @@ pub struct RouterConfig {
     /// Largest OpenAI `n`.
     #[arg(long, env = "SLUICE_MAX_N", default_value_t = 8)]
     pub max_n: u32,
+    /// The most prompts in one /v1/completions request (a list of prompts).
+    #[arg(long, env = "MAX_CLIENT_BATCH_SIZE", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_client_batch_size: u32,
     #[arg(long, env = "SLUICE_NO_PREFIX_CACHING")]
     pub no_prefix_caching: bool,
     /// A chat template file, or the template itself; overrides the model's.

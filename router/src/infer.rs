@@ -274,7 +274,8 @@ pub struct Infer {
 
 #[derive(Debug)]
 pub(crate) enum Command {
-    Submit(Entry, oneshot::Sender<Result<(), InferError>>),
+    /// Every sequence of one HTTP request, admitted all together or not at all.
+    Submit(Vec<Entry>, oneshot::Sender<Result<(), InferError>>),
     Stats(oneshot::Sender<SchedulerStats>),
     /// Stop admitting; the reply fires when the last running request ended.
     Drain(oneshot::Sender<()>),
@@ -284,14 +285,28 @@ impl Infer {
     /// Queues a request; events arrive on the returned stream. Fails at once
     /// with `Overloaded` when `--max-concurrent-requests` is reached.
     pub async fn generate(&self, request: ValidRequest) -> Result<InferStream, InferError> {
-        let (events, stream) = mpsc::unbounded_channel();
+        let mut streams = self.generate_all(vec![(request, tracing::Span::current())]).await?;
+        Ok(streams.remove(0))
+    }
+
+    /// Queues the sequences of one HTTP request (its prompts times `n`), each
+    /// with its span: all are admitted, or none is and the error says why
+    /// (so a request never holds some of its sequences while the rest get 429).
+    pub async fn generate_all(&self, requests: Vec<(ValidRequest, tracing::Span)>) -> Result<Vec<InferStream>, InferError> {
+        let (entries, streams): (Vec<_>, Vec<_>) = requests
+            .into_iter()
+            .map(|(request, span)| {
+                let (events, stream) = mpsc::unbounded_channel();
+                (Entry { request, events, span }, stream)
+            })
+            .unzip();
         let (ack, ack_rx) = oneshot::channel();
         self.commands
-            .send(Command::Submit(Entry { request, events, span: tracing::Span::current() }, ack))
+            .send(Command::Submit(entries, ack))
             .await
             .map_err(|_| InferError::ShuttingDown)?;
         ack_rx.await.map_err(|_| InferError::ShuttingDown)??;
-        Ok(stream)
+        Ok(streams)
     }
 
     pub async fn stats(&self) -> Option<SchedulerStats> {

@@ -99,6 +99,11 @@ pub struct RequestLimits {
     pub max_top_n_tokens: u32,
     /// Largest OpenAI `n`.
     pub max_n: u32,
+    /// The most prompts in one request (`--max-client-batch-size`).
+    pub max_client_batch_size: u32,
+    /// The most sequences (prompts x `n`) one request may ask for: the
+    /// scheduler's `--max-concurrent-requests`.
+    pub max_sequences: u32,
 }
 
 /// Defaults from the model's generation_config.json, used by the OpenAI API
@@ -318,6 +323,7 @@ impl Validation {
         if prompts.is_empty() {
             return Err(ValidationError::Empty { field: field.into() });
         }
+        self.check_fan_out(prompts.len(), field, params.n)?;
         prompts
             .iter()
             .enumerate()
@@ -327,6 +333,29 @@ impl Validation {
                 self.validate_lengths_and_ranges(ids, &field, params.clone(), grammar.clone())
             })
             .collect()
+    }
+
+    /// How many sequences the request asks for, checked before any prompt is
+    /// tokenized or any parameter copied.
+    fn check_fan_out(&self, prompts: usize, field: &str, n: u32) -> Result<(), ValidationError> {
+        let limits = &self.limits;
+        if prompts > limits.max_client_batch_size as usize {
+            return Err(out_of_range(
+                field,
+                format!("{prompts} prompts; at most {} per request (--max-client-batch-size)", limits.max_client_batch_size),
+            ));
+        }
+        let sequences = prompts as u64 * u64::from(n);
+        if sequences > u64::from(limits.max_sequences) {
+            return Err(out_of_range(
+                "n",
+                format!(
+                    "{prompts} prompt(s) x n = {n} asks for {sequences} sequences; the server runs at most {} at once",
+                    limits.max_sequences
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// What the request asks for as a whole, before its prompt is looked at;
@@ -759,6 +788,8 @@ pub(crate) mod tests {
                 max_stop_sequences: 2,
                 max_top_n_tokens: 5,
                 max_n: 4,
+                max_client_batch_size: 3,
+                max_sequences: 8,
             },
             vocab_size: 267,
             defaults: GenerationDefaults::default(),

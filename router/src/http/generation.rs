@@ -25,7 +25,6 @@ use std::time::Instant;
 use axum::response::sse::Event;
 use axum::response::Response;
 use futures::StreamExt;
-use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use crate::detokenize::Detokenizer;
@@ -302,24 +301,33 @@ pub struct Choices {
 }
 
 impl Choices {
-    /// Submits `n` copies of every prompt (copy j samples with seed + j),
-    /// every one before answering, so overload is an HTTP 429 and not an
-    /// error inside a stream.
+    /// Submits `n` copies of every prompt (copy j samples with seed + j), all
+    /// in one command, so overload is an HTTP 429 and not an error inside a
+    /// stream, and a request is admitted whole or not at all.
     pub async fn submit(state: &AppState, prompts: Vec<Validated>) -> Result<Self, ApiError> {
         let count = prompts.iter().map(|p| p.n as usize).sum();
-        let mut choices = Self {
-            generations: Vec::with_capacity(count),
-            first_of_prompt: Vec::with_capacity(count),
-            prompt_tokens: prompts.iter().map(|p| p.request.input_ids.len() as u32).sum(),
-        };
+        let prompt_tokens = prompts.iter().map(|p| p.request.input_ids.len() as u32).sum();
+        let mut requests = Vec::with_capacity(count);
+        let mut shapes = Vec::with_capacity(count);
         for prompt in prompts {
             for j in 0..prompt.n {
                 let mut request = prompt.request.clone();
                 request.params.seed = prompt.request.params.seed.wrapping_add(u64::from(j));
-                let generation = submit_one(state, request, prompt.stop.clone()).await?;
-                choices.generations.push(generation);
-                choices.first_of_prompt.push(j == 0);
+                let span = generation_span(state.served_model_name(), &request);
+                shapes.push((request.arrived, prompt.stop.clone(), span.clone(), j == 0));
+                requests.push((request, span));
             }
+        }
+        let streams = state.infer.generate_all(requests).await?;
+        let mut choices = Self {
+            generations: Vec::with_capacity(count),
+            first_of_prompt: Vec::with_capacity(count),
+            prompt_tokens,
+        };
+        for (stream, (arrived, stop, span, first)) in streams.into_iter().zip(shapes) {
+            let generation = Generation::new(stream, state.validation.tokenizer.clone(), stop, arrived);
+            choices.generations.push(generation.traced(span));
+            choices.first_of_prompt.push(first);
         }
         Ok(choices)
     }
@@ -401,13 +409,6 @@ pub trait StreamShape: Send + 'static {
 
     /// A choice failed: the stream ends after these.
     fn fail(&mut self, error: &ApiError) -> Vec<Event>;
-}
-
-async fn submit_one(state: &AppState, request: ValidRequest, stop: Vec<String>) -> Result<Generation, ApiError> {
-    let arrived = request.arrived;
-    let span = generation_span(state.served_model_name(), &request);
-    let stream = state.infer.generate(request).instrument(span.clone()).await?;
-    Ok(Generation::new(stream, state.validation.tokenizer.clone(), stop, arrived).traced(span))
 }
 
 /// The span of one generated sequence, with the GenAI request attributes.

@@ -236,7 +236,12 @@ async fn tokenize(
     State(state): State<Arc<AppState>>,
     body: Result<Bytes, axum::extract::rejection::BytesRejection>,
 ) -> Result<Json<Vec<SimpleToken>>, TgiError> {
-    let request: TokenizeRequest = error::parse_body(body)?;
+    let body = error::body_bytes(body)?;
+    Ok(Json(state.off_runtime(move |state| tokenize_body(state, &body)).await?))
+}
+
+fn tokenize_body(state: &AppState, body: &[u8]) -> Result<Vec<SimpleToken>, ApiError> {
+    let request: TokenizeRequest = error::parse_json(body)?;
     if request.inputs.is_empty() {
         return Err(crate::validation::ValidationError::Empty { field: "inputs".into() }.into());
     }
@@ -245,17 +250,15 @@ async fn tokenize(
         .tokenizer
         .encode_with_offsets(&request.inputs, true)
         .map_err(|e| ApiError::Validation(crate::validation::ValidationError::Tokenizer(e.to_string())))?;
-    Ok(Json(
-        tokens
-            .into_iter()
-            .map(|t| SimpleToken {
-                id: t.id,
-                text: t.text,
-                start: t.start,
-                stop: t.stop,
-            })
-            .collect(),
-    ))
+    Ok(tokens
+        .into_iter()
+        .map(|t| SimpleToken {
+            id: t.id,
+            text: t.text,
+            start: t.start,
+            stop: t.stop,
+        })
+        .collect())
 }
 
 #[derive(OpenApi)]

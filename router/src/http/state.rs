@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use metrics_exporter_prometheus::PrometheusHandle;
+use tokio::sync::Semaphore;
 use serde::Serialize;
 use utoipa::ToSchema;
 
@@ -78,9 +79,34 @@ pub struct AppState {
     pub api_key: Option<String>,
     /// When the app was built; stands in for "last step" before the first.
     pub started: Instant,
+    /// Permits for [`AppState::off_runtime`]'s work: one per CPU.
+    pub cpu_work: Arc<Semaphore>,
 }
 
 impl AppState {
+    /// The permits `cpu_work` starts with: one per CPU the router may use.
+    pub fn cpu_workers() -> Arc<Semaphore> {
+        Arc::new(Semaphore::new(std::thread::available_parallelism().map_or(1, |n| n.get())))
+    }
+
+    /// Runs a request's CPU work (JSON parsing, the chat template,
+    /// tokenization, grammar compilation: all grow with the request) on
+    /// tokio's blocking threads, at most one per CPU at once, so one heavy
+    /// request never stalls the async workers every connection needs.
+    /// Requests past that wait their turn here, not on the runtime.
+    pub async fn off_runtime<R: Send + 'static>(self: &Arc<Self>, work: impl FnOnce(&AppState) -> R + Send + 'static) -> R {
+        let permit = self.cpu_work.clone().acquire_owned().await.expect("the CPU-work semaphore is never closed");
+        let state = self.clone();
+        let task = tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            work(&state)
+        });
+        match task.await {
+            Ok(result) => result,
+            Err(error) => std::panic::resume_unwind(error.into_panic()),
+        }
+    }
+
     /// The name responses give the model.
     pub fn served_model_name(&self) -> &str {
         self.validation.served_model_name()

@@ -113,6 +113,7 @@ fn build_with_shard(setup: Setup) -> (Router, Arc<AppState>, FakeShardHandle) {
         progress_timeout: Duration::from_secs(5),
         api_key: setup.api_key,
         started: Instant::now(),
+        cpu_work: AppState::cpu_workers(),
     });
     let options = HttpOptions { payload_limit: setup.payload_limit, cors_allow_origin: vec![] };
     (app(state.clone(), &options), state, handle)
@@ -374,6 +375,55 @@ async fn overload_is_429_with_retry_after() {
     assert_eq!(headers["retry-after"], "1");
     assert!(text.contains("\"error_type\":\"overloaded\""));
     assert_eq!(slow.await.unwrap().0, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn fan_out_is_bounded_before_anything_is_built() {
+    let (app, state) = build(Setup::default());
+    let limits = state.validation.limits.clone();
+    let prompts: Vec<String> = (0..=limits.max_client_batch_size).map(|i| format!("p{i}")).collect();
+    let (status, body) = post(&app, "/v1/completions", json!({"prompt": prompts})).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert_eq!(body["error"]["param"], "prompt", "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("--max-client-batch-size"), "{body}");
+
+    // 3 prompts x n = 3 is more sequences than the server ever runs at once.
+    assert!(3 * 3 > limits.max_sequences && 3 <= limits.max_client_batch_size && 3 <= limits.max_n);
+    let (status, body) = post(&app, "/v1/completions", json!({"prompt": ["a", "b", "c"], "n": 3})).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert_eq!(body["error"]["param"], "n", "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("9 sequences"), "{body}");
+}
+
+#[tokio::test]
+async fn a_request_is_admitted_whole_or_not_at_all() {
+    let mut setup = Setup { max_concurrent_requests: 4, ..Default::default() };
+    setup.fake.latency = Duration::from_millis(100);
+    let (app, state) = build(setup);
+    let slow = {
+        let app = app.clone();
+        tokio::spawn(async move { post(&app, "/generate", json!({"inputs": "a", "parameters": {"max_new_tokens": 12}})).await })
+    };
+    let admitted = async {
+        while state.infer.stats().await.map_or(0, |s| s.waiting + s.running) == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(60), admitted).await.expect("the slow request never reached the scheduler");
+    // 2 prompts x n = 2: four sequences, three free slots.
+    let four = json!({"prompt": ["x", "y"], "n": 2, "max_tokens": 2});
+    let (status, body) = post(&app, "/v1/completions", four.clone()).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{body}");
+    let stats = state.infer.stats().await.unwrap();
+    assert_eq!(stats.waiting + stats.running, 1, "none of the refused request's sequences was queued");
+    // Five sequences never fit: not "retry", but why.
+    let (status, body) = post(&app, "/v1/completions", json!({"prompt": ["x", "y", "z"], "n": 2, "max_tokens": 2})).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("6 sequences"), "{body}");
+    assert_eq!(slow.await.unwrap().0, StatusCode::OK);
+    let (status, body) = post(&app, "/v1/completions", four).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["choices"].as_array().unwrap().len(), 4);
 }
 
 #[tokio::test]

@@ -18,7 +18,7 @@ use axum::Json;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use super::error::{body_bytes, parse_body, parse_json, ApiError, TgiError};
+use super::error::{body_bytes, parse_json, ApiError, TgiError};
 use super::generation::{Choices, Collected, Finish, GenEvent, RequestRecord, StreamShape, TokenUsage};
 use super::sse::json_event;
 use super::state::AppState;
@@ -325,16 +325,36 @@ impl StreamShape for TgiShape {
     }
 }
 
-async fn generate_inner(state: &AppState, request: TgiRequest, record: &mut RequestRecord) -> Result<GenerateResponse, ApiError> {
-    let validated = validate(state, &request, false)?;
-    let shape = TgiShape::new(state, request, &validated);
+/// A TGI request's CPU work, off the async runtime: parse, tokenize,
+/// compile its grammar. `stream`: which route it came by (None for `POST /`,
+/// where the body's `stream` decides).
+struct Prepared {
+    validated: Validated,
+    shape: TgiShape,
+    stream: bool,
+}
+
+async fn prepare(state: &Arc<AppState>, body: Result<Bytes, BytesRejection>, stream: Option<bool>) -> Result<Prepared, ApiError> {
+    let body = body_bytes(body)?;
+    state
+        .off_runtime(move |state| {
+            let request: TgiRequest = parse_json(&body)?;
+            let stream = stream.unwrap_or(request.stream);
+            let validated = validate(state, &request, stream)?;
+            let shape = TgiShape::new(state, request, &validated);
+            Ok(Prepared { validated, shape, stream })
+        })
+        .await
+}
+
+async fn generate_inner(state: &AppState, prepared: Result<Prepared, ApiError>, record: &mut RequestRecord) -> Result<GenerateResponse, ApiError> {
+    let Prepared { validated, shape, .. } = prepared?;
     let (mut results, _) = Choices::submit(state, vec![validated]).await?.collect(record).await?;
     Ok(shape.response(results.remove(0)))
 }
 
-async fn stream_inner(state: &AppState, request: TgiRequest, record: &mut RequestRecord) -> Result<Response, ApiError> {
-    let validated = validate(state, &request, true)?;
-    let shape = TgiShape::new(state, request, &validated);
+async fn stream_inner(state: &AppState, prepared: Result<Prepared, ApiError>, record: &mut RequestRecord) -> Result<Response, ApiError> {
+    let Prepared { validated, shape, .. } = prepared?;
     let choices = Choices::submit(state, vec![validated]).await?;
     Ok(choices.sse(shape, record.take()))
 }
@@ -351,10 +371,8 @@ pub async fn generate(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<GenerateResponse>, TgiError> {
     let mut record = RequestRecord::new("generate");
-    let result = match parse_body(body) {
-        Ok(request) => generate_inner(&state, request, &mut record).await,
-        Err(error) => Err(error),
-    };
+    let prepared = prepare(&state, body, Some(false)).await;
+    let result = generate_inner(&state, prepared, &mut record).await;
     Ok(Json(record.settle(result)?))
 }
 
@@ -369,10 +387,8 @@ pub async fn generate_stream(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, TgiError> {
     let mut record = RequestRecord::new("generate_stream");
-    let result = match parse_body(body) {
-        Ok(request) => stream_inner(&state, request, &mut record).await,
-        Err(error) => Err(error),
-    };
+    let prepared = prepare(&state, body, Some(true)).await;
+    let result = stream_inner(&state, prepared, &mut record).await;
     Ok(record.settle(result)?)
 }
 
@@ -387,13 +403,13 @@ pub async fn compat_generate(
     State(state): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, TgiError> {
-    let request: TgiRequest = parse_json(&body_bytes(body)?)?;
-    if request.stream {
+    let prepared = prepare(&state, body, None).await;
+    if prepared.as_ref().is_ok_and(|p| p.stream) {
         let mut record = RequestRecord::new("generate_stream");
-        let result = stream_inner(&state, request, &mut record).await;
+        let result = stream_inner(&state, prepared, &mut record).await;
         return Ok(record.settle(result)?);
     }
     let mut record = RequestRecord::new("generate");
-    let result = generate_inner(&state, request, &mut record).await;
+    let result = generate_inner(&state, prepared, &mut record).await;
     Ok(Json(vec![record.settle(result)?]).into_response())
 }

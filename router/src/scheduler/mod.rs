@@ -263,8 +263,8 @@ impl Scheduler {
 
     fn handle(&mut self, command: Command) {
         match command {
-            Command::Submit(entry, ack) => {
-                let result = self.submit(entry);
+            Command::Submit(entries, ack) => {
+                let result = self.submit(entries);
                 // A dropped ack means the caller is gone; the request's
                 // closed event channel cancels it at the next step.
                 let _ = ack.send(result);
@@ -280,22 +280,33 @@ impl Scheduler {
         self.notify_drained();
     }
 
-    fn submit(&mut self, entry: Entry) -> Result<(), InferError> {
+    fn submit(&mut self, entries: Vec<Entry>) -> Result<(), InferError> {
         if self.draining {
             return Err(InferError::ShuttingDown);
         }
+        let limit = self.config.max_concurrent_requests as usize;
+        if entries.len() > limit {
+            return Err(InferError::Unschedulable(format!(
+                "the request asks for {} sequences; the server runs at most {limit} at once",
+                entries.len()
+            )));
+        }
         let active = self.waiting.len() + self.running.len();
-        if active >= self.config.max_concurrent_requests as usize {
+        if active + entries.len() > limit {
             // The client learns no queue depth; the log does.
-            tracing::debug!(active, "overloaded: --max-concurrent-requests reached");
+            tracing::debug!(active, asked = entries.len(), "overloaded: --max-concurrent-requests reached");
             return Err(InferError::Overloaded(
                 "the server is at its limit of concurrent requests; retry shortly".into(),
             ));
         }
-        self.check_schedulable(&entry)?;
-        let id = self.next_id;
-        self.next_id += 1;
-        self.waiting.push_back(Request::new(id, entry, self.kv.new_table()));
+        for entry in &entries {
+            self.check_schedulable(entry)?;
+        }
+        for entry in entries {
+            let id = self.next_id;
+            self.next_id += 1;
+            self.waiting.push_back(Request::new(id, entry, self.kv.new_table()));
+        }
         self.publish_occupancy();
         Ok(())
     }

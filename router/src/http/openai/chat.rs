@@ -26,14 +26,14 @@ use super::types::{
 };
 use super::{fingerprint, parameters, ResponseId};
 use crate::chat_template::TemplateMessage;
-use crate::http::error::{parse_body, ApiError, OpenAiError};
+use crate::http::error::{body_bytes, parse_json, ApiError, OpenAiError};
 use crate::http::generation::{Choices, Collected, Finish, GenEvent, RequestRecord, StreamShape, TokenUsage};
 use crate::http::sse::{done_event, json_event};
 use crate::http::state::AppState;
 use crate::infer::GeneratedToken;
 use crate::tokenizer::Tokenizer;
 use crate::tool_calls::stream::{ToolCallParser, ToolEvent};
-use crate::validation::{one_constraint, Prompt, ValidTools, ValidationError};
+use crate::validation::{one_constraint, Prompt, ValidTools, ValidationError, Validated};
 
 #[utoipa::path(post, path = "/v1/chat/completions", request_body = ChatCompletionRequest,
     responses(
@@ -53,7 +53,22 @@ pub async fn chat_completions(
 }
 
 async fn chat(state: Arc<AppState>, body: Result<Bytes, BytesRejection>, record: &mut RequestRecord) -> Result<Response, ApiError> {
-    let request: ChatCompletionRequest = parse_body(body)?;
+    let body = body_bytes(body)?;
+    let (validated, shape, stream) = state.off_runtime(move |state| prepare(state, &body)).await?;
+    let choices = Choices::submit(&state, validated).await?;
+    if stream {
+        return Ok(choices.sse(shape, record.take()));
+    }
+    let (results, usage) = choices.collect(record).await?;
+    let mut shape = shape;
+    Ok(Json(shape.completion(results, usage)).into_response())
+}
+
+/// The request's CPU work, off the async runtime: parse, render the
+/// template, tokenize, compile its constraint. Returns the prompt to submit,
+/// how to shape the answer, and whether to stream it.
+fn prepare(state: &AppState, body: &[u8]) -> Result<(Vec<Validated>, ChatShape, bool), ApiError> {
+    let request: ChatCompletionRequest = parse_json(body)?;
     state.validation.check_model(request.model.as_deref())?;
     let tools = tool_request(request.tools.as_deref(), request.tool_choice.as_ref(), request.parallel_tool_calls)?;
     let tools = state.validation.tools(&tools)?;
@@ -65,7 +80,7 @@ async fn chat(state: Arc<AppState>, body: Result<Bytes, BytesRejection>, record:
         .collect::<Result<Vec<_>, ApiError>>()?;
     let shown = tools.as_ref().and_then(ValidTools::shown);
     let prompt = Prompt::Chat(state.validation.render_chat_with_tools(&messages, shown)?);
-    let mut params = parameters(&state, &request.sampling, request.max_completion_tokens.or(request.max_tokens));
+    let mut params = parameters(state, &request.sampling, request.max_completion_tokens.or(request.max_tokens));
     params.constraint = one_constraint(
         openai_constraint(request.response_format.as_ref(), &request.guided)?,
         tools.as_ref().and_then(|t| t.constraint.clone()),
@@ -78,21 +93,15 @@ async fn chat(state: Arc<AppState>, body: Result<Bytes, BytesRejection>, record:
     params.top_n_tokens_field = "top_logprobs";
     params.top_n_tokens_needs_logprobs = true;
     let validated = state.validation.validate_prompts(&[prompt], "messages", &params)?;
-    let choices = Choices::submit(&state, validated).await?;
     let tool_format = shown.map(|_| state.validation.tool_format.clone());
     let shape = ChatShape {
-        id: ResponseId::new(&state, "chatcmpl"),
+        id: ResponseId::new(state, "chatcmpl"),
         tokenizer: state.validation.tokenizer.clone(),
         logprobs: params.logprobs.then_some(params.top_n_tokens),
         include_usage: request.sampling.stream_options.is_some_and(|o| o.include_usage),
         parsers: tool_format.map(|f| (0..params.n).map(|_| ToolCallParser::new(f.clone())).collect()),
     };
-    if request.sampling.stream.unwrap_or(false) {
-        return Ok(choices.sse(shape, record.take()));
-    }
-    let (results, usage) = choices.collect(record).await?;
-    let mut shape = shape;
-    Ok(Json(shape.completion(results, usage)).into_response())
+    Ok((validated, shape, request.sampling.stream.unwrap_or(false)))
 }
 
 /// A message as the chat template sees it: content flattened, earlier tool

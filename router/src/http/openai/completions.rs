@@ -14,7 +14,7 @@ use axum::Json;
 use super::types::{Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, PromptInput};
 use super::structured::openai_constraint;
 use super::{fingerprint, parameters, ResponseId};
-use crate::http::error::{parse_body, ApiError, OpenAiError};
+use crate::http::error::{body_bytes, parse_json, ApiError, OpenAiError};
 use crate::http::generation::{Choices, Collected, Finish, GenEvent, RequestRecord, StreamShape, TokenUsage};
 use crate::http::sse::{done_event, json_event};
 use crate::http::state::AppState;
@@ -42,7 +42,21 @@ pub async fn completions(
 }
 
 async fn complete(state: Arc<AppState>, body: Result<Bytes, BytesRejection>, record: &mut RequestRecord) -> Result<Response, ApiError> {
-    let request: CompletionRequest = parse_body(body)?;
+    let body = body_bytes(body)?;
+    let (validated, shape, stream) = state.off_runtime(move |state| prepare(state, &body)).await?;
+    let choices = Choices::submit(&state, validated).await?;
+    if stream {
+        return Ok(choices.sse(shape, record.take()));
+    }
+    let (results, usage) = choices.collect(record).await?;
+    Ok(Json(shape.completion(&results, usage)).into_response())
+}
+
+/// The request's CPU work, off the async runtime: parse, tokenize every
+/// prompt, compile the constraint. Returns the prompts to submit, how to
+/// shape the answer, and whether to stream it.
+fn prepare(state: &AppState, body: &[u8]) -> Result<(Vec<Validated>, CompletionShape, bool), ApiError> {
+    let request: CompletionRequest = parse_json(body)?;
     state.validation.check_model(request.model.as_deref())?;
     let prompts: Vec<Prompt> = match request.prompt {
         PromptInput::Text(t) => vec![Prompt::Text(t)],
@@ -51,7 +65,7 @@ async fn complete(state: Arc<AppState>, body: Result<Bytes, BytesRejection>, rec
         PromptInput::TokenLists(lists) => lists.into_iter().map(Prompt::Tokens).collect(),
     };
     let max_tokens = request.max_tokens.unwrap_or(DEFAULT_COMPLETION_MAX_TOKENS);
-    let mut params = parameters(&state, &request.sampling, Some(max_tokens));
+    let mut params = parameters(state, &request.sampling, Some(max_tokens));
     params.best_of = request.best_of;
     params.logprobs = request.logprobs.is_some();
     params.top_n_tokens = request.logprobs.unwrap_or(0);
@@ -60,14 +74,9 @@ async fn complete(state: Arc<AppState>, body: Result<Bytes, BytesRejection>, rec
     params.prompt_logprobs = echo && params.logprobs;
     params.constraint = openai_constraint(request.response_format.as_ref(), &request.guided)?;
     let validated = state.validation.validate_prompts(&prompts, "prompt", &params)?;
-    let shape = CompletionShape::new(&state, &validated, echo, request.logprobs);
-    let choices = Choices::submit(&state, validated).await?;
-    if request.sampling.stream.unwrap_or(false) {
-        let shape = CompletionShape { include_usage: request.sampling.stream_options.is_some_and(|o| o.include_usage), ..shape };
-        return Ok(choices.sse(shape, record.take()));
-    }
-    let (results, usage) = choices.collect(record).await?;
-    Ok(Json(shape.completion(&results, usage)).into_response())
+    let shape = CompletionShape::new(state, &validated, echo, request.logprobs);
+    let shape = CompletionShape { include_usage: request.sampling.stream_options.is_some_and(|o| o.include_usage), ..shape };
+    Ok((validated, shape, request.sampling.stream.unwrap_or(false)))
 }
 
 /// Shapes one completions request's answer, buffered or streamed.

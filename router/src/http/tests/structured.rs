@@ -24,6 +24,8 @@ fn setup() -> Setup {
         max_stop_sequences: 4,
         max_top_n_tokens: 5,
         max_n: 4,
+        max_client_batch_size: 3,
+        max_sequences: 8,
     });
     setup
 }
