@@ -15,11 +15,21 @@
 //!                 in U+FFFD: the next token may complete the character)
 //! ```
 //!
+//! Tokens that add no text (special tokens, which decoding skips, or a run of
+//! bytes that never forms a character) would grow the window, and each push
+//! would decode all of it again: quadratic in a long output. So the window
+//! releases what it holds after `MAX_HELD_TOKENS` tokens without new text,
+//! replacement characters included, as the full decode shows them.
+//!
 //! `finish` returns what the window never released (a truncated character
 //! at the very end), so the concatenation of all deltas equals the decode of
 //! all tokens.
 
 use crate::tokenizer::{Tokenizer, TokenizerError};
+
+/// Tokens that may add no text before the window is released anyway: more
+/// than a UTF-8 character's 4 bytes, with room for tokens a decoder merges.
+const MAX_HELD_TOKENS: usize = 8;
 
 pub struct Detokenizer {
     tokenizer: Tokenizer,
@@ -49,13 +59,19 @@ impl Detokenizer {
             .tokenizer
             .decode(&self.tokens[self.prefix_offset..self.read_offset], true)?;
         let new_text = self.tokenizer.decode(&self.tokens[self.prefix_offset..], true)?;
-        if new_text.len() <= prefix_text.len() || new_text.ends_with('\u{FFFD}') {
+        let held_too_long = self.tokens.len() - self.read_offset >= MAX_HELD_TOKENS;
+        let grew = new_text.len() > prefix_text.len();
+        if !held_too_long && (!grew || new_text.ends_with('\u{FFFD}')) {
             return Ok(String::new());
         }
-        let Some(delta) = new_text.get(prefix_text.len()..) else {
-            // The window's decode changed inside a character; wait for more.
+        // `None`: the window's decode changed inside a character; wait for
+        // more, unless the window has waited too long (`finish` then returns
+        // whatever the full decode holds past what was emitted).
+        let delta = if grew { new_text.get(prefix_text.len()..) } else { Some("") };
+        if delta.is_none() && !held_too_long {
             return Ok(String::new());
-        };
+        }
+        let delta = delta.unwrap_or_default();
         self.prefix_offset = self.read_offset;
         self.read_offset = self.tokens.len();
         self.emitted_len += delta.len();
@@ -191,5 +207,25 @@ pub(crate) mod tests {
             assert_eq!(deltas.concat(), full, "{ids:?}");
             assert!(deltas[..ids.len()].iter().all(|d| !d.contains('\u{FFFD}')));
         }
+    }
+
+    #[test]
+    fn tokens_without_text_keep_the_window_short() {
+        let t = byte_fallback_tokenizer();
+        let mut detok = Detokenizer::new(t.clone());
+        // Special tokens decode to nothing; lone continuation bytes to U+FFFD.
+        let mut ids: Vec<u32> = std::iter::repeat(1).take(1000).collect();
+        ids.extend(std::iter::repeat(byte(0x80)).take(1000));
+        ids.extend([263, 265]); // ▁Hello !
+        let mut deltas = Vec::new();
+        for &id in &ids {
+            deltas.push(detok.push(id).unwrap());
+            assert!(detok.tokens.len() - detok.prefix_offset <= 2 * MAX_HELD_TOKENS, "the window grew to {}", detok.tokens.len() - detok.prefix_offset);
+        }
+        deltas.push(detok.finish().unwrap());
+        let full = t.decode(&ids, true).unwrap();
+        assert_eq!(deltas.concat(), full);
+        assert!(deltas.last().unwrap().is_empty(), "everything was released before the end");
+        assert!(full.ends_with("Hello!"), "{full}");
     }
 }
