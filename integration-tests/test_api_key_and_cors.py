@@ -8,10 +8,12 @@ CORS preflights are answered for the allowed origin only, without the key
 
 from __future__ import annotations
 
+import subprocess
+
 import httpx
 import pytest
 
-from conftest import start_launcher
+from conftest import find_executable, start_launcher
 
 KEY = "sk-test-0123"
 ALLOWED = "http://app.example"
@@ -137,3 +139,20 @@ def test_without_cors_flag_no_origin_is_granted(launcher):
     models = httpx.get(f"{launcher.base_url}/v1/models", headers={"Origin": ALLOWED}, timeout=30)
     assert models.status_code == 200
     assert "access-control-allow-origin" not in models.headers
+
+
+def test_any_origin_and_a_bad_one(tiny_model_dir, tmp_path):
+    """`*` grants every origin (it once panicked the router after warmup); a
+    value that is no origin is refused when the launcher parses its flags."""
+    server = start_launcher("--model-id", str(tiny_model_dir), "--cors-allow-origin", "*", tmp=tmp_path)
+    try:
+        response = preflight(server, "/v1/chat/completions", UNKNOWN)
+        assert response.status_code == 200, response.text
+        assert response.headers["access-control-allow-origin"] == "*"
+    finally:
+        server.stop()
+    assert server.proc.returncode == 0, server.output()
+    refused = subprocess.run([find_executable("sluice-launcher"), "--model-id", str(tiny_model_dir),
+                              "--cors-allow-origin", "not an origin", "--dry-run"],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "is not an origin" in refused.stderr, refused.stderr

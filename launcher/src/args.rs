@@ -127,8 +127,9 @@ pub struct Args {
     #[arg(long, env = "API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
 
-    /// Allowed CORS origin (repeatable; the env var takes a comma-separated list).
-    #[arg(long, env = "CORS_ALLOW_ORIGIN", value_delimiter = ',')]
+    /// Allowed CORS origin (scheme://host[:port], or * for any; repeatable; the env var takes a
+    /// comma-separated list).
+    #[arg(long, env = "CORS_ALLOW_ORIGIN", value_delimiter = ',', value_parser = sluice_router::config::parse_origin)]
     pub cors_allow_origin: Vec<String>,
 
     /// Largest accepted request body, in bytes.

@@ -71,8 +71,9 @@ pub struct RouterConfig {
     /// Require `Authorization: Bearer KEY` (not on /health and /ready).
     #[arg(long, env = "API_KEY")]
     pub api_key: Option<String>,
-    /// Allowed CORS origin; repeat for several.
-    #[arg(long, env = "CORS_ALLOW_ORIGIN", value_delimiter = ',')]
+    /// Allowed CORS origin (e.g. https://app.example.com, or * for any);
+    /// repeat or separate with commas for several.
+    #[arg(long, env = "CORS_ALLOW_ORIGIN", value_delimiter = ',', value_parser = parse_origin)]
     pub cors_allow_origin: Vec<String>,
     /// Largest request body in bytes (HTTP 413 above).
     #[arg(long, env = "PAYLOAD_LIMIT", default_value_t = 2_000_000)]
@@ -291,6 +292,16 @@ impl RouterConfig {
     }
 }
 
+/// A `--cors-allow-origin` value: `*`, or what an `Origin` header holds.
+pub fn parse_origin(value: &str) -> Result<String, String> {
+    let value = value.trim();
+    if value == "*" || (value.contains("://") && axum::http::HeaderValue::from_str(value).is_ok()) {
+        Ok(value.to_string())
+    } else {
+        Err(format!("{value:?} is not an origin (scheme://host[:port], or * for any)"))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -299,6 +310,16 @@ mod tests {
         let mut argv = vec!["sluice-router", "--tokenizer", "model"];
         argv.extend_from_slice(args);
         RouterConfig::try_parse_from(argv).unwrap()
+    }
+
+    #[test]
+    fn cors_origins_are_checked_when_parsed() {
+        let config = parse(&["--cors-allow-origin", "*,https://app.example:8443"]);
+        assert_eq!(config.cors_allow_origin, ["*", "https://app.example:8443"]);
+        let error = RouterConfig::try_parse_from(["sluice-router", "--tokenizer", "m", "--cors-allow-origin", "app\nx"])
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("is not an origin"), "{error}");
     }
 
     #[test]
@@ -324,9 +345,9 @@ mod tests {
 
     #[test]
     fn names_and_flags() {
-        let config = parse(&["--model-id", "org/m", "--cors-allow-origin", "a", "--cors-allow-origin", "b", "--json-output"]);
+        let config = parse(&["--model-id", "org/m", "--cors-allow-origin", "https://a.example", "--cors-allow-origin", "http://b:8080", "--json-output"]);
         assert_eq!(config.served_model_name(), "org/m");
-        assert_eq!(config.cors_allow_origin, ["a", "b"]);
+        assert_eq!(config.cors_allow_origin, ["https://a.example", "http://b:8080"]);
         assert!(config.json_output);
         assert!(RouterConfig::try_parse_from(["sluice-router", "--tokenizer", "m", "--port", "x"]).is_err());
     }

@@ -73,17 +73,22 @@ pub fn app(state: Arc<AppState>, options: &HttpOptions) -> Router {
     if options.cors_allow_origin.is_empty() {
         return router;
     }
-    let origins: Vec<HeaderValue> = options
-        .cors_allow_origin
-        .iter()
-        .filter_map(|o| HeaderValue::from_str(o).ok())
-        .collect();
     router.layer(
         CorsLayer::new()
-            .allow_origin(AllowOrigin::list(origins))
+            .allow_origin(allowed_origins(&options.cors_allow_origin))
             .allow_methods([Method::GET, Method::POST])
             .allow_headers([header::CONTENT_TYPE, header::AUTHORIZATION]),
     )
+}
+
+/// `--cors-allow-origin`'s values: `*` allows any origin (tower-http
+/// refuses a list that holds it), otherwise exactly those listed (the
+/// config parser already refused values that cannot be a header).
+fn allowed_origins(origins: &[String]) -> AllowOrigin {
+    if origins.iter().any(|o| o == "*") {
+        return AllowOrigin::any();
+    }
+    AllowOrigin::list(origins.iter().filter_map(|o| HeaderValue::from_str(o).ok()))
 }
 
 async fn require_api_key(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {

@@ -24,6 +24,7 @@ struct Setup {
     api_key: Option<String>,
     /// Replaces the test validation's limits.
     limits: Option<crate::validation::RequestLimits>,
+    cors_allow_origin: Vec<String>,
 }
 
 impl Default for Setup {
@@ -36,6 +37,7 @@ impl Default for Setup {
             hourly_cost: None,
             api_key: None,
             limits: None,
+            cors_allow_origin: vec![],
         }
     }
 }
@@ -115,7 +117,7 @@ fn build_with_shard(setup: Setup) -> (Router, Arc<AppState>, FakeShardHandle) {
         started: Instant::now(),
         cpu_work: AppState::cpu_workers(),
     });
-    let options = HttpOptions { payload_limit: setup.payload_limit, cors_allow_origin: vec![] };
+    let options = HttpOptions { payload_limit: setup.payload_limit, cors_allow_origin: setup.cors_allow_origin };
     (app(state.clone(), &options), state, handle)
 }
 
@@ -424,6 +426,26 @@ async fn a_request_is_admitted_whole_or_not_at_all() {
     let (status, body) = post(&app, "/v1/completions", four).await;
     assert_eq!(status, StatusCode::OK, "{body}");
     assert_eq!(body["choices"].as_array().unwrap().len(), 4);
+}
+
+#[tokio::test]
+async fn cors_allows_listed_origins_or_any() {
+    let preflight = |app: Router, origin: &'static str| async move {
+        let request = Request::builder()
+            .method("OPTIONS")
+            .uri("/v1/models")
+            .header("origin", origin)
+            .header("access-control-request-method", "GET")
+            .body(Body::empty())
+            .unwrap();
+        let response = app.oneshot(request).await.unwrap();
+        response.headers().get("access-control-allow-origin").map(|v| v.to_str().unwrap().to_string())
+    };
+    let (any, _) = build(Setup { cors_allow_origin: vec!["*".into()], ..Default::default() });
+    assert_eq!(preflight(any, "https://anywhere.example").await.as_deref(), Some("*"));
+    let (listed, _) = build(Setup { cors_allow_origin: vec!["https://app.example".into()], ..Default::default() });
+    assert_eq!(preflight(listed.clone(), "https://app.example").await.as_deref(), Some("https://app.example"));
+    assert_eq!(preflight(listed, "https://evil.example").await, None);
 }
 
 #[tokio::test]
