@@ -248,6 +248,34 @@ def test_tp_rank_failing_mid_step_ends_the_whole_group(tiny_model_dir, tmp_path)
         server.stop()
 
 
+def test_a_failed_step_tells_the_client_a_stable_text_and_the_log_the_details(tiny_model_dir, tmp_path):
+    """10: the shard raises inside a step. The client gets a generic error
+    with the request's id, not the Python exception; the log has the
+    exception under that id; the server serves the next request."""
+    server = start_launcher("--model-id", str(tiny_model_dir), tmp=tmp_path,
+                            env={"SLUICE_FAULT": "shard-step-error:0:2"})
+    try:
+        body = {"prompt": "The sea", "max_tokens": 8}
+        failed = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=FAULT_BOUND_S)
+        assert failed.status_code == 500, failed.text
+        error = failed.json()["error"]
+        assert error["code"] == "generation_failed", failed.text
+        assert "the server log has the details" in error["message"], failed.text
+        for leak in ("InjectedFault", "injected", "SLUICE_FAULT", "Traceback", "grpc", "StatusCode"):
+            assert leak not in failed.text, failed.text
+        request_id = error["message"].split("request ")[1].split(";")[0]
+        deadline = time.monotonic() + FAULT_BOUND_S
+        while not any("injected failure" in line and f"id={request_id}" in line
+                      for line in server.output().splitlines()):
+            assert time.monotonic() < deadline, server.output()
+            time.sleep(0.2)
+        again = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=FAULT_BOUND_S)
+        assert again.status_code == 200, again.text
+    finally:
+        server.stop()
+    assert server.proc.returncode == 0, server.output()
+
+
 def test_shard_killed_mid_stream_ends_the_stream_and_the_server(tiny_model_dir, tmp_path):
     """A shard killed with SIGKILL while a stream runs: the stream ends (an
     error event or a closed connection, never a hang) and the launcher exits

@@ -156,6 +156,16 @@ pub enum SchedulerFailure {
     Panicked(String),
 }
 
+impl SchedulerFailure {
+    /// What clients are told: a panic's message stays in the log.
+    pub fn public(&self) -> String {
+        match self {
+            Self::StepDeadline(_) => self.to_string(),
+            Self::Panicked(_) => "the scheduler failed".into(),
+        }
+    }
+}
+
 /// A command to the scheduler task.
 #[derive(Debug)]
 pub struct Entry {

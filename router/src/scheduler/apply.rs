@@ -25,7 +25,7 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use crate::client::ClientError;
-use crate::infer::{FinishReason, GeneratedToken, InferError, InferEvent, TokenCounts, TokenLogprob};
+use crate::infer::{FinishReason, GeneratedToken, InferEvent, TokenCounts, TokenLogprob};
 use crate::pb;
 
 use super::step::StepPlan;
@@ -60,7 +60,7 @@ impl Scheduler {
         for entry in &plan.entries {
             let Some(index) = self.position(entry.id) else { continue };
             let mut r = self.running.remove(index);
-            r.send(Err(InferError::Generation(message.clone())));
+            r.send(Err(r.shard_failure(&message)));
             // The shard may or may not hold state for it: drop it to be sure
             // (a shard ignores finished ids it does not know).
             r.on_shard = true;
@@ -82,8 +82,7 @@ impl Scheduler {
                 // The shard dropped its state; the KV it wrote is suspect, so
                 // nothing is cached and the blocks go back with the request.
                 let r = self.running.remove(index);
-                tracing::warn!(id = r.id, %message, "request failed on the shard");
-                r.send(Err(InferError::Generation(message.clone())));
+                r.send(Err(r.shard_failure(message)));
                 continue;
             }
             let r = &mut self.running[index];
@@ -98,7 +97,7 @@ impl Scheduler {
             if let Err(message) = check_emitted(&entry.draft, &emitted) {
                 self.cache_filled(index, filled_before);
                 let r = self.running.remove(index);
-                r.send(Err(InferError::Generation(message)));
+                r.send(Err(r.shard_failure(&message)));
                 self.retire(r, false);
                 continue;
             }

@@ -337,7 +337,7 @@ impl Scheduler {
     /// The scheduler stops: every request, running or waiting, ends with an
     /// error that says why (clients see it before the router exits).
     fn fail_all(&mut self, failure: &SchedulerFailure) {
-        let message = format!("{failure}; the server is restarting");
+        let message = format!("{}; the server is restarting", failure.public());
         for r in self.running.drain(..).chain(self.waiting.drain(..)) {
             r.send(Err(InferError::Generation(message.clone())));
         }

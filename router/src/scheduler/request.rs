@@ -99,6 +99,18 @@ impl Request {
         self.request.prompt_logprobs && !self.prefill_sent
     }
 
+    /// The error a client gets when the shard failed this request (or the
+    /// step it was in): a stable text with its id. What the shard said may
+    /// hold Python exception text and internals, so it goes to the log and
+    /// the request's trace only, under the same id.
+    pub fn shard_failure(&self, detail: &str) -> InferError {
+        tracing::warn!(parent: &self.span, id = self.id, detail, "the shard failed the request");
+        InferError::Generation(format!(
+            "the model server could not complete request {}; the server log has the details",
+            self.id
+        ))
+    }
+
     /// Returns false when the client is gone.
     pub fn send(&self, event: Result<InferEvent, InferError>) -> bool {
         self.events.send(event).is_ok()
