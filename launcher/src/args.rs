@@ -5,7 +5,8 @@
 
 use std::path::PathBuf;
 
-use clap::{ArgAction, Parser, ValueEnum};
+use clap::{Parser, ValueEnum};
+use sluice_router::config::ServingFlags;
 
 /// The model id passed to `sluice-server download-weights` when no
 /// `--model-id` is given: the server resolves it to the .gguf shipped in the
@@ -45,51 +46,9 @@ pub struct Args {
     #[arg(long, env = "DEVICE", value_enum, default_value_t = Device::Auto)]
     pub device: Device,
 
-    /// The longest prompt, in tokens. Default: the router derives it from the model and the KV cache.
-    #[arg(long, env = "MAX_INPUT_TOKENS")]
-    pub max_input_tokens: Option<u32>,
-
-    /// The longest sequence (prompt + generated tokens) of one request. Default: derived by the router.
-    #[arg(long, env = "MAX_TOTAL_TOKENS")]
-    pub max_total_tokens: Option<u32>,
-
-    /// The most tokens one step computes (sum of prefill chunks and decodes). Default: router's choice.
-    #[arg(long, env = "MAX_BATCH_PREFILL_TOKENS")]
-    pub max_batch_prefill_tokens: Option<u32>,
-
-    /// Cap on the KV token slots in use at once. Default: everything the shards' KV cache holds.
-    #[arg(long, env = "MAX_BATCH_TOTAL_TOKENS")]
-    pub max_batch_total_tokens: Option<u32>,
-
-    /// The most requests in one step. Default: router's choice.
-    #[arg(long, env = "MAX_BATCH_SIZE")]
-    pub max_batch_size: Option<u32>,
-
-    /// Requests waiting or running at once; more get HTTP 429.
-    #[arg(long, env = "MAX_CONCURRENT_REQUESTS", default_value_t = 128)]
-    pub max_concurrent_requests: u32,
-
     /// Token slots per KV-cache block.
     #[arg(long, env = "BLOCK_SIZE", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
     pub block_size: u32,
-
-    /// Reuse the KV blocks of shared prompt prefixes (on by default; env PREFIX_CACHING=false turns it off).
-    #[arg(long, env = "PREFIX_CACHING", default_value_t = true, num_args = 0..=1,
-          default_missing_value = "true", action = ArgAction::Set, overrides_with = "no_prefix_caching")]
-    pub prefix_caching: bool,
-
-    /// Turn prefix caching off.
-    #[arg(long, overrides_with = "prefix_caching")]
-    pub no_prefix_caching: bool,
-
-    /// Address the HTTP server binds. (Its variable is not HOSTNAME: containers and
-    /// pods set that to their own name, which would silently change the address.)
-    #[arg(long, env = "SLUICE_HOSTNAME", default_value = "0.0.0.0")]
-    pub hostname: String,
-
-    /// Port the HTTP server binds.
-    #[arg(long, short, env = "PORT", default_value_t = 8080)]
-    pub port: u16,
 
     /// Base path of the shards' unix sockets; shard RANK listens on PATH-RANK. Default: a
     /// private folder (mode 0700) made for this run under $XDG_RUNTIME_DIR or the temp dir.
@@ -108,84 +67,6 @@ pub struct Args {
     #[arg(long, env = "HF_HUB_CACHE")]
     pub huggingface_hub_cache: Option<PathBuf>,
 
-    /// OpenTelemetry OTLP/gRPC endpoint (e.g. http://localhost:4317): the
-    /// router and the shards export traces there; no tracing when unset.
-    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
-    pub otlp_endpoint: Option<String>,
-
-    /// OpenTelemetry service name of the router (default sluice-router); the
-    /// shards report as NAME-shard (default sluice-shard), with their rank as
-    /// the `sluice.rank` resource attribute.
-    #[arg(long, env = "OTEL_SERVICE_NAME")]
-    pub otlp_service_name: Option<String>,
-
-    /// Log JSON lines instead of text (the launcher's own lines and every child's).
-    #[arg(long, env = "JSON_OUTPUT")]
-    pub json_output: bool,
-
-    /// Require `Authorization: Bearer KEY` on every API request.
-    #[arg(long, env = "API_KEY", hide_env_values = true)]
-    pub api_key: Option<String>,
-
-    /// Allowed CORS origin (scheme://host[:port], or * for any; repeatable; the env var takes a
-    /// comma-separated list).
-    #[arg(long, env = "CORS_ALLOW_ORIGIN", value_delimiter = ',', value_parser = sluice_router::config::parse_origin)]
-    pub cors_allow_origin: Vec<String>,
-
-    /// Largest accepted request body, in bytes.
-    #[arg(long, env = "PAYLOAD_LIMIT", default_value_t = 2_000_000)]
-    pub payload_limit: u64,
-
-    /// The most stop sequences one request may give.
-    #[arg(long, env = "MAX_STOP_SEQUENCES", default_value_t = 4)]
-    pub max_stop_sequences: u32,
-
-    /// The most alternatives (`top_n_tokens` / `top_logprobs`) one request may ask for.
-    #[arg(long, env = "MAX_TOP_N_TOKENS", default_value_t = 5)]
-    pub max_top_n_tokens: u32,
-
-    /// Model name of the OpenAI API (`model`). Default: --model-id.
-    #[arg(long, env = "SERVED_MODEL_NAME")]
-    pub served_model_name: Option<String>,
-
-    /// Chat template replacing the model's: a file path or an inline Jinja template.
-    #[arg(long, env = "CHAT_TEMPLATE")]
-    pub chat_template: Option<String>,
-
-    /// How the model writes tool calls, parsed back into `tool_calls`:
-    /// hermes (Qwen2.5, SmolLM2, Hermes), llama3_json (Llama 3.x) or mistral.
-    /// Default: chosen from the chat template.
-    #[arg(long, env = "TOOL_CALL_PARSER", value_parser = ["hermes", "llama3_json", "mistral"])]
-    pub tool_call_parser: Option<String>,
-
-    /// Seconds one step may take before the shards count as stuck: in-flight requests fail
-    /// and the server exits non-zero, to be restarted. Default: the router's (120 s; the
-    /// first steps after warmup, which may compile kernels, get 600 s).
-    #[arg(long, env = "STEP_TIMEOUT", value_parser = clap::value_parser!(u32).range(1..))]
-    pub step_timeout: Option<u32>,
-
-    /// The most prompts one /v1/completions request may list. Default: the router's (32).
-    #[arg(long, env = "MAX_CLIENT_BATCH_SIZE", value_parser = clap::value_parser!(u32).range(1..))]
-    pub max_client_batch_size: Option<u32>,
-
-    /// Most open HTTP connections; one more is answered 503 and closed. Default: the
-    /// router's (1024).
-    #[arg(long, env = "MAX_CONNECTIONS", value_parser = clap::value_parser!(u32).range(1..))]
-    pub max_connections: Option<u32>,
-
-    /// Seconds a client has to send a request's head, and the longest a keep-alive connection
-    /// may sit idle. Default: the router's (30 s).
-    #[arg(long, env = "HEADER_TIMEOUT", value_parser = clap::value_parser!(u32).range(1..))]
-    pub header_timeout: Option<u32>,
-
-    /// Seconds a request body may go without a byte arriving. Default: the router's (30 s).
-    #[arg(long, env = "BODY_TIMEOUT", value_parser = clap::value_parser!(u32).range(1..))]
-    pub body_timeout: Option<u32>,
-
-    /// Seconds the router may spend finishing in-flight requests after SIGTERM/SIGINT.
-    #[arg(long, env = "SHUTDOWN_TIMEOUT", default_value_t = 30)]
-    pub shutdown_timeout: u64,
-
     /// Accepted for compatibility and has no effect: Sluice never runs model code from the Hub.
     #[arg(long, env = "TRUST_REMOTE_CODE")]
     pub trust_remote_code: bool,
@@ -194,40 +75,10 @@ pub struct Args {
     #[arg(long, env = "KV_CACHE_BYTES")]
     pub kv_cache_bytes: Option<u64>,
 
-    /// What the deployment costs per hour, in dollars: the router shows it in /info and
-    /// reports dollars per million output tokens on /metrics.
-    #[arg(long, env = "HOURLY_COST", value_name = "DOLLARS", value_parser = parse_hourly_cost)]
-    pub hourly_cost: Option<f64>,
-
-    /// Seconds of recent traffic behind the router's window gauges (cost per million output
-    /// tokens, prefix-cache hit ratio). Default: the router's (60).
-    #[arg(long, env = "COST_WINDOW_SECS", value_parser = clap::value_parser!(u64).range(1..=3600))]
-    pub cost_window_secs: Option<u64>,
-
-    /// Speculative decoding: `ngram` proposes the tokens that followed an earlier occurrence of
-    /// a request's last tokens (prompt lookup) and verifies them in the same step. Off when unset.
-    #[arg(long, env = "SPECULATE", value_enum)]
-    pub speculate: Option<Speculate>,
-
-    /// The most draft tokens per request and step (with --speculate). Default: the router's (4).
-    #[arg(long, env = "SPECULATE_TOKENS")]
-    pub speculate_tokens: Option<u32>,
-
-    /// Shortest suffix looked up by --speculate ngram. Default: the router's (1).
-    #[arg(long, env = "NGRAM_MIN")]
-    pub ngram_min: Option<u32>,
-
-    /// Longest suffix looked up by --speculate ngram. Default: the router's (3).
-    #[arg(long, env = "NGRAM_MAX")]
-    pub ngram_max: Option<u32>,
-
-    /// No request speculates while more than this many run. Default: the router's (8).
-    #[arg(long, env = "SPECULATE_MAX_BATCH_SIZE")]
-    pub speculate_max_batch_size: Option<u32>,
-
-    /// Drafts fill a step up to this many tokens. Default: the router's (16).
-    #[arg(long, env = "SPECULATE_MAX_STEP_TOKENS")]
-    pub speculate_max_step_tokens: Option<u32>,
+    /// The flags the router has too (HTTP, limits, API, timeouts, telemetry, cost,
+    /// speculation): declared once, in the router crate, and handed on to the router.
+    #[command(flatten)]
+    pub serving: ServingFlags,
 
     /// Check the flags and environment variables, print the configuration they give, and exit
     /// without starting anything (e.g. to check a deployment's container spec).
@@ -235,26 +86,11 @@ pub struct Args {
     pub dry_run: bool,
 }
 
-/// `--speculate` methods (the router's names).
-#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Speculate {
-    Ngram,
-}
-
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Device {
     Auto,
     Cpu,
     Cuda,
-}
-
-/// The router checks the price too; checking here reports a bad one before
-/// the shards spend minutes loading weights.
-fn parse_hourly_cost(value: &str) -> Result<f64, String> {
-    match value.parse::<f64>() {
-        Ok(dollars) if dollars.is_finite() && dollars >= 0.0 => Ok(dollars),
-        _ => Err(format!("`{value}` is not a price: give dollars per hour, a number >= 0 (e.g. 2.5)")),
-    }
 }
 
 fn parse_quantize(value: &str) -> Result<String, String> {
@@ -285,12 +121,6 @@ impl Args {
         self
     }
 
-    /// Whether the router should reuse cached prefixes, after `--prefix-caching`
-    /// and `--no-prefix-caching` (the later one on the command line wins).
-    pub fn prefix_caching(&self) -> bool {
-        self.prefix_caching && !self.no_prefix_caching
-    }
-
     /// The id given to `download-weights`.
     pub fn model_to_resolve(&self) -> &str {
         self.model_id.as_deref().unwrap_or(BUNDLED_MODEL)
@@ -299,8 +129,8 @@ impl Args {
     /// What `--dry-run` prints: the parsed configuration, the API key masked.
     pub fn dry_run_report(&self) -> String {
         let mut shown = self.clone();
-        if shown.api_key.is_some() {
-            shown.api_key = Some("<set>".to_string());
+        if shown.serving.api_key.is_some() {
+            shown.serving.api_key = Some("<set>".to_string());
         }
         format!("{shown:#?}")
     }
@@ -339,15 +169,15 @@ mod tests {
         assert_eq!(a.num_shard, 1);
         assert_eq!(a.device, Device::Auto);
         assert_eq!(a.block_size, 16);
-        assert!(a.prefix_caching());
-        assert_eq!(a.port, 8080);
+        assert!(a.serving.prefix_caching());
+        assert_eq!(a.serving.port, 8080);
         assert_eq!(a.shard_uds_path, None);
         assert_eq!(a.master_addr, "localhost");
         assert_eq!(a.master_port, 29500);
-        assert_eq!(a.shutdown_timeout, 30);
-        assert_eq!(a.payload_limit, 2_000_000);
-        assert_eq!((a.max_stop_sequences, a.max_top_n_tokens), (4, 5));
-        assert!(!a.json_output && !a.trust_remote_code);
+        assert_eq!(a.serving.shutdown_timeout, 30);
+        assert_eq!(a.serving.payload_limit, 2_000_000);
+        assert_eq!((a.serving.max_stop_sequences, a.serving.max_top_n_tokens), (4, 5));
+        assert!(!a.serving.json_output && !a.trust_remote_code);
     }
 
     #[test]
@@ -372,14 +202,14 @@ mod tests {
         assert_eq!(a.num_shard, 2);
         assert_eq!(a.dtype.as_deref(), Some("bfloat16"));
         assert_eq!(a.device, Device::Cuda);
-        assert_eq!(a.max_batch_total_tokens, Some(4000));
-        assert!(!a.prefix_caching());
-        assert_eq!(a.cors_allow_origin, vec!["http://a", "http://b"]);
+        assert_eq!(a.serving.max_batch_total_tokens, Some(4000));
+        assert!(!a.serving.prefix_caching());
+        assert_eq!(a.serving.cors_allow_origin, vec!["http://a", "http://b"]);
         assert_eq!(a.kv_cache_bytes, Some(1_000_000));
-        assert_eq!((a.hourly_cost, a.cost_window_secs), (Some(1.5), Some(30)));
-        assert_eq!(a.step_timeout, Some(45));
-        assert!(a.json_output && a.trust_remote_code);
-        assert_eq!(a.tool_call_parser.as_deref(), Some("llama3_json"));
+        assert_eq!((a.serving.hourly_cost, a.serving.cost_window_secs), (Some(1.5), 30));
+        assert_eq!(a.serving.step_timeout, 45);
+        assert!(a.serving.json_output && a.trust_remote_code);
+        assert_eq!(a.serving.tool_call_parser.map(|p| p.name()), Some("llama3_json"));
     }
 
     #[test]
@@ -394,9 +224,9 @@ mod tests {
 
     #[test]
     fn the_last_prefix_caching_flag_wins() {
-        assert!(!parse(&["--prefix-caching", "--no-prefix-caching"]).unwrap().prefix_caching());
-        assert!(parse(&["--no-prefix-caching", "--prefix-caching"]).unwrap().prefix_caching());
-        assert!(!parse(&["--prefix-caching", "false"]).unwrap().prefix_caching());
+        assert!(!parse(&["--prefix-caching", "--no-prefix-caching"]).unwrap().serving.prefix_caching());
+        assert!(parse(&["--no-prefix-caching", "--prefix-caching"]).unwrap().serving.prefix_caching());
+        assert!(!parse(&["--prefix-caching", "false"]).unwrap().serving.prefix_caching());
     }
 
     #[test]
@@ -449,17 +279,17 @@ mod tests {
         let a = from_env.unwrap();
         assert_eq!(a.model_id.as_deref(), Some("env/model"));
         assert_eq!(a.num_shard, 3);
-        assert_eq!(a.port, 9123);
-        assert!(a.json_output);
-        assert!(!a.prefix_caching());
-        assert_eq!(a.cors_allow_origin, vec!["http://a", "http://b"]);
-        assert_eq!(a.otlp_endpoint.as_deref(), Some("http://collector:4317"));
-        assert_eq!(a.otlp_service_name.as_deref(), Some("sluice-test"));
+        assert_eq!(a.serving.port, 9123);
+        assert!(a.serving.json_output);
+        assert!(!a.serving.prefix_caching());
+        assert_eq!(a.serving.cors_allow_origin, vec!["http://a", "http://b"]);
+        assert_eq!(a.serving.otlp_endpoint.as_deref(), Some("http://collector:4317"));
+        assert_eq!(a.serving.otlp_service_name.as_deref(), Some("sluice-test"));
         assert_eq!(a.huggingface_hub_cache, Some(PathBuf::from("/hub-cache")));
         assert_eq!(a.kv_cache_bytes, Some(4096));
-        assert_eq!(a.hourly_cost, Some(0.75));
+        assert_eq!(a.serving.hourly_cost, Some(0.75));
         let b = flag_wins.unwrap();
-        assert_eq!(b.port, 1234);
+        assert_eq!(b.serving.port, 1234);
         assert_eq!(b.huggingface_hub_cache, Some(PathBuf::from("/flag")));
     }
 }

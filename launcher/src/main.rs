@@ -40,7 +40,7 @@ fn main() -> ExitCode {
         println!("{}", args.dry_run_report());
         return ExitCode::SUCCESS;
     }
-    log::init(args.json_output);
+    log::init(args.serving.json_output);
     // Current-thread on purpose: children get a parent-death signal tied to
     // the thread that forks them, and this thread lives as long as the process.
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {

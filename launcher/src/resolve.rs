@@ -44,7 +44,7 @@ pub fn command(server: &Path, args: &Args) -> Command {
     if let Some(cache) = &args.huggingface_hub_cache {
         command.arg("--huggingface-hub-cache").arg(cache);
     }
-    if args.json_output {
+    if args.serving.json_output {
         command.arg("--json-output");
     }
     command

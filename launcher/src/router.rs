@@ -20,15 +20,15 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Fails when `hostname:port` cannot be bound, so that a taken port is
 /// reported in a second, before any shard spends minutes loading weights.
 pub fn check_port_free(args: &Args) -> Result<()> {
-    std::net::TcpListener::bind((args.hostname.as_str(), args.port))
+    std::net::TcpListener::bind((args.serving.hostname.as_str(), args.serving.port))
         .map(drop)
         .map_err(|e| match e.kind() {
             std::io::ErrorKind::AddrInUse => anyhow!(
                 "port {} on {} is already in use; stop what uses it or choose another --port",
-                args.port,
-                args.hostname
+                args.serving.port,
+                args.serving.hostname
             ),
-            _ => anyhow!("cannot listen on {}:{}: {e}", args.hostname, args.port),
+            _ => anyhow!("cannot listen on {}:{}: {e}", args.serving.hostname, args.serving.port),
         })
 }
 
@@ -41,88 +41,22 @@ pub fn command(router: &Path, args: &Args, master_socket: &Path, model_dir: &Pat
         .arg(model_dir)
         .arg("--model-id")
         .arg(model_name)
-        .arg("--hostname")
-        .arg(&args.hostname)
-        .arg("--port")
-        .arg(args.port.to_string())
-        .arg("--max-concurrent-requests")
-        .arg(args.max_concurrent_requests.to_string())
-        .arg("--max-stop-sequences")
-        .arg(args.max_stop_sequences.to_string())
-        .arg("--max-top-n-tokens")
-        .arg(args.max_top_n_tokens.to_string())
-        .arg("--payload-limit")
-        .arg(args.payload_limit.to_string())
-        .arg("--shutdown-timeout")
-        .arg(args.shutdown_timeout.to_string());
-    let optional_numbers = [
-        ("--max-input-tokens", args.max_input_tokens),
-        ("--max-total-tokens", args.max_total_tokens),
-        ("--max-batch-prefill-tokens", args.max_batch_prefill_tokens),
-        ("--max-batch-total-tokens", args.max_batch_total_tokens),
-        ("--max-batch-size", args.max_batch_size),
-        ("--step-timeout", args.step_timeout),
-        ("--speculate-tokens", args.speculate_tokens),
-        ("--ngram-min", args.ngram_min),
-        ("--ngram-max", args.ngram_max),
-        ("--speculate-max-batch-size", args.speculate_max_batch_size),
-        ("--speculate-max-step-tokens", args.speculate_max_step_tokens),
-        ("--max-client-batch-size", args.max_client_batch_size),
-        ("--max-connections", args.max_connections),
-        ("--header-timeout", args.header_timeout),
-        ("--body-timeout", args.body_timeout),
-    ];
-    for (flag, value) in optional_numbers {
-        if let Some(value) = value {
-            command.arg(flag).arg(value.to_string());
-        }
-    }
-    // f64's Display round-trips: the router parses back the same price.
-    if let Some(dollars) = args.hourly_cost {
-        command.arg("--hourly-cost").arg(dollars.to_string());
-    }
-    if let Some(secs) = args.cost_window_secs {
-        command.arg("--cost-window-secs").arg(secs.to_string());
-    }
-    let optional_strings = [
-        ("--served-model-name", &args.served_model_name),
-        ("--chat-template", &args.chat_template),
-        ("--tool-call-parser", &args.tool_call_parser),
-        ("--otlp-endpoint", &args.otlp_endpoint),
-        ("--otlp-service-name", &args.otlp_service_name),
-    ];
-    for (flag, value) in optional_strings {
-        if let Some(value) = value {
-            command.arg(flag).arg(value);
-        }
-    }
+        .args(args.serving.router_args());
     // Through the environment: a command line is readable by every local
     // user (/proc/PID/cmdline), the environment only by this one.
-    match &args.api_key {
+    match &args.serving.api_key {
         Some(key) => command.env("API_KEY", key),
         None => command.env_remove("API_KEY"),
     };
-    for origin in &args.cors_allow_origin {
-        command.arg("--cors-allow-origin").arg(origin);
-    }
-    if !args.prefix_caching() {
-        command.arg("--no-prefix-caching");
-    }
-    if args.json_output {
-        command.arg("--json-output");
-    }
-    if let Some(crate::args::Speculate::Ngram) = args.speculate {
-        command.arg("--speculate").arg("ngram");
-    }
     command
 }
 
 /// Returns once `GET /health` answers 200. Pends while the router starts;
 /// the caller races this against children exiting.
 pub async fn wait_ready(args: &Args) {
-    let host = probe_host(&args.hostname);
+    let host = probe_host(&args.serving.hostname);
     loop {
-        if let Ok(Ok(200)) = tokio::time::timeout(PROBE_TIMEOUT, health_status(host, args.port)).await {
+        if let Ok(Ok(200)) = tokio::time::timeout(PROBE_TIMEOUT, health_status(host, args.serving.port)).await {
             return;
         }
         tokio::time::sleep(POLL_INTERVAL).await;
@@ -168,6 +102,8 @@ fn parse_status(head: &[u8]) -> Option<u16> {
 mod tests {
     use super::*;
     use crate::args::test_args;
+    use clap::Parser;
+    use sluice_router::config::{RouterConfig, ServingFlags};
 
     fn router_command(args: &[&str]) -> Command {
         let args = test_args(args);
@@ -188,58 +124,33 @@ mod tests {
         assert!(command.as_std().get_envs().any(|(k, v)| k == "API_KEY" && v.is_none()));
     }
 
+    /// The router parses the command the launcher starts it with back into
+    /// the flags the launcher was given (the key goes in the environment).
     #[test]
-    fn defaults_become_router_flags() {
-        assert_eq!(
-            argv(&[]),
-            [
-                "--master-shard-uds-path", "/tmp/sluice-server-0", "--tokenizer", "/model", "--model-id", "org/m",
-                "--hostname", "0.0.0.0", "--port", "8080", "--max-concurrent-requests", "128",
-                "--max-stop-sequences", "4", "--max-top-n-tokens", "5", "--payload-limit", "2000000",
-                "--shutdown-timeout", "30",
-            ]
-        );
-    }
-
-    #[test]
-    fn optional_flags_are_passed_when_set() {
-        let got = argv(&[
-            "--max-input-tokens", "10", "--max-total-tokens", "20", "--max-batch-prefill-tokens", "30",
-            "--max-batch-total-tokens", "40", "--max-batch-size", "5", "--served-model-name", "m",
-            "--chat-template", "{{x}}", "--tool-call-parser", "mistral", "--api-key", "k", "--otlp-endpoint",
-            "http://o", "--otlp-service-name", "s", "--cors-allow-origin", "http://a,http://b", "--no-prefix-caching", "--json-output", "--hourly-cost", "2.75",
-            "--cost-window-secs", "30", "--step-timeout", "9",
-            "--max-connections", "7", "--header-timeout", "3", "--body-timeout", "4",
-        ]);
-        let tail = &got[20..];
-        assert_eq!(
-            tail,
-            [
+    fn the_router_gets_the_flags_the_launcher_was_given() {
+        for flags in [
+            &[][..],
+            &[
                 "--max-input-tokens", "10", "--max-total-tokens", "20", "--max-batch-prefill-tokens", "30",
-                "--max-batch-total-tokens", "40", "--max-batch-size", "5", "--step-timeout", "9",
-                "--max-connections", "7", "--header-timeout", "3", "--body-timeout", "4", "--hourly-cost", "2.75",
-                "--cost-window-secs", "30", "--served-model-name", "m",
-                "--chat-template", "{{x}}", "--tool-call-parser", "mistral",
-                "--otlp-endpoint", "http://o", "--otlp-service-name", "s", "--cors-allow-origin", "http://a", "--cors-allow-origin", "http://b",
-                "--no-prefix-caching", "--json-output",
-            ]
-        );
-    }
-
-    #[test]
-    fn speculation_flags_are_passed_when_set() {
-        let got = argv(&[
-            "--speculate", "ngram", "--speculate-tokens", "6", "--ngram-min", "2", "--ngram-max", "4",
-            "--speculate-max-batch-size", "3", "--speculate-max-step-tokens", "12",
-        ]);
-        assert_eq!(
-            &got[20..],
-            [
-                "--speculate-tokens", "6", "--ngram-min", "2", "--ngram-max", "4", "--speculate-max-batch-size", "3",
-                "--speculate-max-step-tokens", "12", "--speculate",
-                "ngram",
-            ]
-        );
+                "--max-batch-total-tokens", "40", "--max-batch-size", "5", "--served-model-name", "m",
+                "--chat-template", "{{x}}", "--tool-call-parser", "mistral", "--api-key", "k", "--otlp-endpoint",
+                "http://o", "--otlp-service-name", "s", "--cors-allow-origin", "http://a,http://b", "--no-prefix-caching",
+                "--json-output", "--hourly-cost", "2.75", "--cost-window-secs", "30", "--step-timeout", "9",
+                "--max-connections", "7", "--header-timeout", "3", "--body-timeout", "4", "--max-n", "3",
+                "--speculate", "ngram", "--speculate-tokens", "6", "--ngram-min", "2", "--ngram-max", "4",
+                "--speculate-max-batch-size", "3", "--speculate-max-step-tokens", "12",
+            ][..],
+        ] {
+            let given = test_args(flags).serving;
+            let got = argv(flags);
+            assert_eq!(
+                got[..6],
+                ["--master-shard-uds-path", "/tmp/sluice-server-0", "--tokenizer", "/model", "--model-id", "org/m"]
+            );
+            let _env = crate::args::ENV_LOCK.read().unwrap_or_else(|e| e.into_inner());
+            let router = RouterConfig::try_parse_from(std::iter::once("sluice-router".to_string()).chain(got)).unwrap();
+            assert_eq!(router.serving, ServingFlags { api_key: None, ..given });
+        }
         assert!(!argv(&[]).contains(&"--speculate".to_string()));
     }
 

@@ -59,12 +59,12 @@ pub fn command(server: &Path, args: &Args, sockets: &ShardSockets, model_dir: &P
     if let Some(bytes) = args.kv_cache_bytes {
         command.arg("--kv-cache-bytes").arg(bytes.to_string());
     }
-    if args.json_output {
+    if args.serving.json_output {
         command.arg("--json-output");
     }
-    if let Some(endpoint) = &args.otlp_endpoint {
+    if let Some(endpoint) = &args.serving.otlp_endpoint {
         command.arg("--otlp-endpoint").arg(endpoint);
-        command.arg("--otlp-service-name").arg(shard_service_name(args.otlp_service_name.as_deref()));
+        command.arg("--otlp-service-name").arg(shard_service_name(args.serving.otlp_service_name.as_deref()));
     }
     command
         .env("RANK", rank.to_string())

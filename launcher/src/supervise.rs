@@ -64,7 +64,7 @@ enum Interrupt {
 
 pub async fn run(args: Args) -> Result<()> {
     let mut signals = Signals::install()?;
-    let lines = ChildLines { json: args.json_output };
+    let lines = ChildLines { json: args.serving.json_output };
     if args.trust_remote_code {
         tracing::warn!("--trust-remote-code has no effect: Sluice never runs model code from the Hub");
     }
@@ -103,7 +103,7 @@ pub async fn run(args: Args) -> Result<()> {
     if let Some(interrupt) = until(&mut children, &mut signals, router::wait_ready(&args)).await {
         return end(interrupt, &children, &mut signals, &args, true).await;
     }
-    tracing::info!("Sluice is ready at http://{}:{}", args.hostname, args.port);
+    tracing::info!("Sluice is ready at http://{}:{}", args.serving.hostname, args.serving.port);
 
     let interrupt = tokio::select! {
         exited = children.next_exit() => Interrupt::ChildExited(exited),
@@ -167,10 +167,10 @@ async fn child_failed(exited: Exited, children: &Children, starting: bool) -> Re
 /// cuts this short.
 async fn shut_down(sig: &str, children: &Children, signals: &mut Signals, args: &Args) -> Result<()> {
     let first = Instant::now();
-    let drain = Duration::from_secs(args.shutdown_timeout);
+    let drain = Duration::from_secs(args.serving.shutdown_timeout);
     tracing::info!(
         "Received {sig}: the router finishes in-flight requests (up to {}s), then the shards stop",
-        args.shutdown_timeout
+        args.serving.shutdown_timeout
     );
     let orderly = async {
         children.stop(|c| c.name == router::NAME, drain + ROUTER_EXTRA_GRACE).await;

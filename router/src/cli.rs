@@ -55,7 +55,7 @@ pub fn main() -> ExitCode {
     // flushes pending spans when main returns.
     let _telemetry = {
         let _entered = runtime.enter();
-        crate::telemetry::init(config.json_output, config.otlp_endpoint.as_deref(), &config.otlp_service_name)
+        crate::telemetry::init(config.serving.json_output, config.serving.otlp_endpoint.as_deref(), config.serving.otlp_service_name())
     };
     match runtime.block_on(run(config)) {
         Ok(()) => ExitCode::SUCCESS,
@@ -78,7 +78,7 @@ fn load_model_files(config: &RouterConfig) -> Result<ModelFiles, String> {
     let dir = &config.tokenizer;
     let tokenizer = Tokenizer::from_dir(dir).map_err(|e| e.to_string())?;
     let chat_template =
-        ChatTemplate::from_model_dir(dir, config.chat_template.as_deref()).map_err(|e| e.to_string())?;
+        ChatTemplate::from_model_dir(dir, config.serving.chat_template.as_deref()).map_err(|e| e.to_string())?;
     if chat_template.is_none() {
         tracing::warn!("the model has no chat template: /v1/chat/completions will answer 400");
     }
@@ -146,7 +146,7 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
         .await
         .map_err(|e| format!("Warmup failed: {e}"))?;
     let kv_slots = num_blocks.saturating_mul(shard_info.block_size);
-    let max_batch_total_tokens = config.max_batch_total_tokens.map_or(kv_slots, |cap| cap.min(kv_slots));
+    let max_batch_total_tokens = config.serving.max_batch_total_tokens.map_or(kv_slots, |cap| cap.min(kv_slots));
     if max_batch_total_tokens < limits.max_total_tokens {
         tracing::warn!(
             max_batch_total_tokens,
@@ -172,10 +172,10 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
         max_batch_prefill_tokens: limits.max_batch_prefill_tokens,
         max_batch_total_tokens,
         max_batch_size: limits.max_batch_size,
-        max_concurrent_requests: config.max_concurrent_requests,
+        max_concurrent_requests: config.serving.max_concurrent_requests,
         block_size: shard_info.block_size,
         num_blocks,
-        prefix_caching: !config.no_prefix_caching,
+        prefix_caching: config.serving.prefix_caching(),
         eos_token_ids: shard_info.eos_token_ids.clone(),
         metrics_window: config.cost_window(),
         step_deadline: config.step_deadline(),
@@ -198,7 +198,7 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
             None
         }
     };
-    let tool_parser = config.tool_call_parser.unwrap_or_else(|| {
+    let tool_parser = config.serving.tool_call_parser.unwrap_or_else(|| {
         files.chat_template.as_ref().map_or(ToolParserKind::Hermes, |t| ToolParserKind::from_template(t.source()))
     });
     tracing::info!(tool_call_parser = tool_parser.name(), "tool calls");
@@ -211,11 +211,11 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
             limits: RequestLimits {
                 max_input_tokens: limits.max_input_tokens,
                 max_total_tokens: limits.max_total_tokens,
-                max_stop_sequences: config.max_stop_sequences,
-                max_top_n_tokens: config.max_top_n_tokens,
-                max_n: config.max_n,
-                max_client_batch_size: config.max_client_batch_size,
-                max_sequences: config.max_concurrent_requests,
+                max_stop_sequences: config.serving.max_stop_sequences,
+                max_top_n_tokens: config.serving.max_top_n_tokens,
+                max_n: config.serving.max_n,
+                max_client_batch_size: config.serving.max_client_batch_size,
+                max_sequences: config.serving.max_concurrent_requests,
             },
             vocab_size,
             defaults: files.defaults,
@@ -230,27 +230,27 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
             model_type: info.model_type.clone(),
             max_input_tokens: limits.max_input_tokens,
             max_total_tokens: limits.max_total_tokens,
-            max_concurrent_requests: config.max_concurrent_requests,
+            max_concurrent_requests: config.serving.max_concurrent_requests,
             max_best_of: 1,
-            max_stop_sequences: config.max_stop_sequences,
-            max_top_n_tokens: config.max_top_n_tokens,
+            max_stop_sequences: config.serving.max_stop_sequences,
+            max_top_n_tokens: config.serving.max_top_n_tokens,
             max_batch_total_tokens,
             max_batch_prefill_tokens: limits.max_batch_prefill_tokens,
             max_batch_size: limits.max_batch_size,
             block_size: info.block_size,
             num_blocks,
             world_size: info.world_size,
-            prefix_caching: !config.no_prefix_caching,
+            prefix_caching: config.serving.prefix_caching(),
             attention_backend: info.attention_backend.clone(),
             router: "sluice".into(),
             version: env!("CARGO_PKG_VERSION").into(),
-            hourly_cost: config.hourly_cost,
+            hourly_cost: config.serving.hourly_cost,
             speculation: speculation.as_ref().map(SpeculationInfo::new),
         },
         metrics,
         draining: Arc::new(AtomicBool::new(false)),
-        progress_timeout: Duration::from_secs(config.progress_timeout),
-        api_key: config.api_key.clone(),
+        progress_timeout: Duration::from_secs(config.serving.progress_timeout),
+        api_key: config.serving.api_key.clone(),
         started: Instant::now(),
         cpu_work: AppState::cpu_workers(),
     });
@@ -261,11 +261,11 @@ async fn serve(config: &RouterConfig, Started { infer, state }: Started) -> Resu
     let app = http::app(
         state.clone(),
         &HttpOptions {
-            payload_limit: config.payload_limit,
-            cors_allow_origin: config.cors_allow_origin.clone(),
+            payload_limit: config.serving.payload_limit,
+            cors_allow_origin: config.serving.cors_allow_origin.clone(),
         },
     );
-    let address = format!("{}:{}", config.hostname, config.port);
+    let address = format!("{}:{}", config.serving.hostname, config.serving.port);
     let listener = tokio::net::TcpListener::bind(&address)
         .await
         .map_err(|e| format!("cannot listen on {address}: {e}"))?;

@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::Parser;
+use clap::{ArgAction, Parser};
 
 use crate::http::serve::ServeOptions;
 use crate::scheduler::StepDeadline;
@@ -23,85 +23,115 @@ pub struct RouterConfig {
     /// Shown in /info.
     #[arg(long, env = "MODEL_ID", default_value = "sluice")]
     pub model_id: String,
-    /// OpenAI `model` name; default: --model-id.
-    #[arg(long, env = "SERVED_MODEL_NAME")]
-    pub served_model_name: Option<String>,
+    /// Fault injection for the fault tests; never set in production.
+    #[arg(long, env = "SLUICE_FAULT", hide = true)]
+    pub fault: Option<String>,
+    #[command(flatten)]
+    pub serving: ServingFlags,
+}
+
+/// The flags a user may give the launcher or the router alike: the HTTP
+/// server, request and batch limits, the API, timeouts, telemetry, cost and
+/// speculation. Declared once, here, with one help text and one environment
+/// variable each; `sluice-launcher` flattens the same struct into its own
+/// command line and hands every value on with [`ServingFlags::router_args`].
+#[derive(Debug, Clone, PartialEq, clap::Args)]
+pub struct ServingFlags {
+    /// Address the HTTP server binds. (Its variable is not HOSTNAME: containers
+    /// and pods set that to their own name, which would silently change the
+    /// address.)
     #[arg(long, env = "SLUICE_HOSTNAME", default_value = "0.0.0.0")]
     pub hostname: String,
-    #[arg(long, env = "PORT", default_value_t = 8080)]
+    /// Port the HTTP server binds.
+    #[arg(long, short, env = "PORT", default_value_t = 8080)]
     pub port: u16,
-    /// Default: --max-total-tokens - 1.
+    /// The longest prompt, in tokens. Default: --max-total-tokens - 1.
     #[arg(long, env = "MAX_INPUT_TOKENS")]
     pub max_input_tokens: Option<u32>,
-    /// Prompt + generated tokens per request. Default: the model's
-    /// max_position_embeddings, at most 4096.
+    /// The longest sequence (prompt + generated tokens) of one request.
+    /// Default: the model's max_position_embeddings, at most 4096.
     #[arg(long, env = "MAX_TOTAL_TOKENS")]
     pub max_total_tokens: Option<u32>,
-    /// Tokens one step may compute. Default: --max-total-tokens, at most 4096.
+    /// The most tokens one step computes (prefill chunks and decodes).
+    /// Default: --max-total-tokens, at most 4096.
     #[arg(long, env = "MAX_BATCH_PREFILL_TOKENS")]
     pub max_batch_prefill_tokens: Option<u32>,
-    /// KV token slots to use. Default: all that Warmup reports.
+    /// Cap on the KV token slots in use at once. Default: everything the
+    /// shards' KV cache holds.
     #[arg(long, env = "MAX_BATCH_TOTAL_TOKENS")]
     pub max_batch_total_tokens: Option<u32>,
-    /// Requests per step. Default: --max-concurrent-requests.
+    /// The most requests in one step. Default: --max-concurrent-requests.
     #[arg(long, env = "MAX_BATCH_SIZE")]
     pub max_batch_size: Option<u32>,
-    /// Waiting + running requests; more get HTTP 429.
+    /// Requests waiting or running at once; more get HTTP 429.
     #[arg(long, env = "MAX_CONCURRENT_REQUESTS", default_value_t = 128)]
     pub max_concurrent_requests: u32,
+    /// The most stop sequences one request may give.
     #[arg(long, env = "MAX_STOP_SEQUENCES", default_value_t = 4)]
     pub max_stop_sequences: u32,
+    /// The most alternatives (`top_n_tokens` / `top_logprobs`) one request
+    /// may ask for.
     #[arg(long, env = "MAX_TOP_N_TOKENS", default_value_t = 5)]
     pub max_top_n_tokens: u32,
-    /// Largest OpenAI `n`.
+    /// The largest OpenAI `n` (choices per prompt).
     #[arg(long, env = "SLUICE_MAX_N", default_value_t = 8)]
     pub max_n: u32,
-    /// The most prompts in one /v1/completions request (a list of prompts).
+    /// The most prompts one /v1/completions request may list.
     #[arg(long, env = "MAX_CLIENT_BATCH_SIZE", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_client_batch_size: u32,
-    #[arg(long, env = "SLUICE_NO_PREFIX_CACHING")]
+    /// Reuse the KV blocks of shared prompt prefixes (on by default; env
+    /// PREFIX_CACHING=false turns it off).
+    #[arg(long, env = "PREFIX_CACHING", default_value_t = true, num_args = 0..=1,
+          default_missing_value = "true", action = ArgAction::Set, overrides_with = "no_prefix_caching")]
+    pub prefix_caching: bool,
+    /// Turn prefix caching off.
+    #[arg(long, overrides_with = "prefix_caching")]
     pub no_prefix_caching: bool,
-    /// A chat template file, or the template itself; overrides the model's.
-    #[arg(long, env = "SLUICE_CHAT_TEMPLATE")]
+    /// Model name of the OpenAI API (`model`). Default: --model-id.
+    #[arg(long, env = "SERVED_MODEL_NAME")]
+    pub served_model_name: Option<String>,
+    /// Chat template replacing the model's: a file path or an inline Jinja
+    /// template.
+    #[arg(long, env = "CHAT_TEMPLATE")]
     pub chat_template: Option<String>,
-    /// How the model writes tool calls (hermes, llama3_json, mistral).
-    /// Default: from the chat template; hermes when it does not say.
+    /// How the model writes tool calls, parsed back into `tool_calls`:
+    /// hermes (Qwen2.5, SmolLM2, Hermes), llama3_json (Llama 3.x) or
+    /// mistral. Default: chosen from the chat template (hermes when it does
+    /// not say).
     #[arg(long, env = "TOOL_CALL_PARSER", value_enum)]
     pub tool_call_parser: Option<crate::tool_calls::ToolParserKind>,
-    /// Require `Authorization: Bearer KEY` (not on /health and /ready).
-    #[arg(long, env = "API_KEY")]
+    /// Require `Authorization: Bearer KEY` on every API request (not on
+    /// /health, /ready and /metrics). Give it in the environment: a command
+    /// line is readable by every local user.
+    #[arg(long, env = "API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
-    /// Allowed CORS origin (e.g. https://app.example.com, or * for any);
-    /// repeat or separate with commas for several.
+    /// Allowed CORS origin (scheme://host[:port], or * for any); repeat, or
+    /// separate with commas, for several.
     #[arg(long, env = "CORS_ALLOW_ORIGIN", value_delimiter = ',', value_parser = parse_origin)]
     pub cors_allow_origin: Vec<String>,
     /// Largest request body in bytes (HTTP 413 above).
     #[arg(long, env = "PAYLOAD_LIMIT", default_value_t = 2_000_000)]
     pub payload_limit: usize,
     /// Most open HTTP connections; one more is answered 503 and closed.
-    #[arg(long, env = "SLUICE_MAX_CONNECTIONS", default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, env = "MAX_CONNECTIONS", default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_connections: u32,
     /// Seconds a client has to send a request's head; also how long a
     /// keep-alive connection may sit idle between requests.
-    #[arg(long, env = "SLUICE_HEADER_TIMEOUT", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, env = "HEADER_TIMEOUT", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
     pub header_timeout: u64,
     /// Seconds a request body may go without a byte arriving (HTTP 408).
-    #[arg(long, env = "SLUICE_BODY_TIMEOUT", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, env = "BODY_TIMEOUT", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
     pub body_timeout: u64,
     /// Seconds in-flight requests get to finish after SIGTERM/SIGINT.
-    #[arg(long, env = "SLUICE_SHUTDOWN_TIMEOUT", default_value_t = 30)]
+    #[arg(long, env = "SHUTDOWN_TIMEOUT", default_value_t = 30)]
     pub shutdown_timeout: u64,
     /// Seconds one step may take before the shards count as stuck: in-flight
-    /// requests then fail and the router exits non-zero (the launcher stops
-    /// the server; an orchestrator restarts it).
-    #[arg(long, env = "SLUICE_STEP_TIMEOUT", default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..))]
+    /// requests then fail and the server exits non-zero, to be restarted.
+    #[arg(long, env = "STEP_TIMEOUT", default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..))]
     pub step_timeout: u64,
     /// --step-timeout of the first steps after warmup, which may compile kernels.
     #[arg(long, env = "SLUICE_FIRST_STEPS_TIMEOUT", default_value_t = 600, value_parser = clap::value_parser!(u64).range(1..))]
     pub first_steps_timeout: u64,
-    /// Fault injection for the fault tests; never set in production.
-    #[arg(long, env = "SLUICE_FAULT", hide = true)]
-    pub fault: Option<String>,
     /// Readiness fails when the shards made no progress for this many seconds.
     #[arg(long, env = "SLUICE_PROGRESS_TIMEOUT", default_value_t = 60)]
     pub progress_timeout: u64,
@@ -112,9 +142,11 @@ pub struct RouterConfig {
     /// only when this is set.
     #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
     pub otlp_endpoint: Option<String>,
-    /// `service.name` of the exported spans.
-    #[arg(long, env = "OTEL_SERVICE_NAME", default_value = "sluice-router")]
-    pub otlp_service_name: String,
+    /// `service.name` of the router's spans (default sluice-router); the
+    /// shards report as NAME-shard (default sluice-shard), with their rank as
+    /// the `sluice.rank` resource attribute.
+    #[arg(long, env = "OTEL_SERVICE_NAME")]
+    pub otlp_service_name: Option<String>,
     /// What the deployment costs per hour, in dollars: shown in /info, and
     /// /metrics turns it into dollars per million output tokens.
     #[arg(long, env = "HOURLY_COST", value_name = "DOLLARS", value_parser = parse_hourly_cost)]
@@ -149,6 +181,100 @@ pub struct RouterConfig {
     #[arg(long, env = "SPECULATE_MAX_STEP_TOKENS", default_value_t = 16,
           value_parser = clap::value_parser!(u32).range(1..))]
     pub speculate_max_step_tokens: u32,
+}
+
+impl ServingFlags {
+    /// Whether to reuse cached prefixes, after `--prefix-caching` and
+    /// `--no-prefix-caching` (the later one on the command line wins).
+    pub fn prefix_caching(&self) -> bool {
+        self.prefix_caching && !self.no_prefix_caching
+    }
+
+    /// The router's service name in traces.
+    pub fn otlp_service_name(&self) -> &str {
+        self.otlp_service_name.as_deref().unwrap_or("sluice-router")
+    }
+
+    /// These flags as the router's command line, every value spelled out:
+    /// what the launcher starts the router with. The API key is not among
+    /// them (a command line is readable by every local user); the launcher
+    /// hands it over in the router's environment.
+    pub fn router_args(&self) -> Vec<String> {
+        let mut args = Vec::new();
+        let mut flag = |name: &str, value: String| {
+            args.push(format!("--{name}"));
+            args.push(value);
+        };
+        flag("hostname", self.hostname.clone());
+        flag("port", self.port.to_string());
+        let optional = [
+            ("max-input-tokens", self.max_input_tokens),
+            ("max-total-tokens", self.max_total_tokens),
+            ("max-batch-prefill-tokens", self.max_batch_prefill_tokens),
+            ("max-batch-total-tokens", self.max_batch_total_tokens),
+            ("max-batch-size", self.max_batch_size),
+        ];
+        for (name, value) in optional {
+            if let Some(value) = value {
+                flag(name, value.to_string());
+            }
+        }
+        let numbers = [
+            ("max-concurrent-requests", u64::from(self.max_concurrent_requests)),
+            ("max-stop-sequences", u64::from(self.max_stop_sequences)),
+            ("max-top-n-tokens", u64::from(self.max_top_n_tokens)),
+            ("max-n", u64::from(self.max_n)),
+            ("max-client-batch-size", u64::from(self.max_client_batch_size)),
+            ("payload-limit", self.payload_limit as u64),
+            ("max-connections", u64::from(self.max_connections)),
+            ("header-timeout", self.header_timeout),
+            ("body-timeout", self.body_timeout),
+            ("shutdown-timeout", self.shutdown_timeout),
+            ("step-timeout", self.step_timeout),
+            ("first-steps-timeout", self.first_steps_timeout),
+            ("progress-timeout", self.progress_timeout),
+            ("cost-window-secs", self.cost_window_secs),
+            ("speculate-tokens", u64::from(self.speculate_tokens)),
+            ("ngram-min", u64::from(self.ngram_min)),
+            ("ngram-max", u64::from(self.ngram_max)),
+            ("speculate-max-batch-size", u64::from(self.speculate_max_batch_size)),
+            ("speculate-max-step-tokens", u64::from(self.speculate_max_step_tokens)),
+        ];
+        for (name, value) in numbers {
+            flag(name, value.to_string());
+        }
+        let strings = [
+            ("served-model-name", &self.served_model_name),
+            ("chat-template", &self.chat_template),
+            ("otlp-endpoint", &self.otlp_endpoint),
+            ("otlp-service-name", &self.otlp_service_name),
+        ];
+        for (name, value) in strings {
+            if let Some(value) = value {
+                flag(name, value.clone());
+            }
+        }
+        if let Some(parser) = self.tool_call_parser {
+            flag("tool-call-parser", parser.name().to_string());
+        }
+        // f64's Display round-trips: the router parses back the same price.
+        if let Some(dollars) = self.hourly_cost {
+            flag("hourly-cost", dollars.to_string());
+        }
+        if let Some(Speculate::Ngram) = self.speculate {
+            flag("speculate", "ngram".to_string());
+        }
+        for origin in &self.cors_allow_origin {
+            flag("cors-allow-origin", origin.clone());
+        }
+        if !self.prefix_caching() {
+            args.push("--no-prefix-caching".into());
+        }
+        if self.json_output {
+            args.push("--json-output".into());
+        }
+        args
+    }
 }
 
 /// `--speculate` methods.
@@ -196,29 +322,29 @@ const DEFAULT_MAX_TOTAL_TOKENS: u32 = 4096;
 
 impl RouterConfig {
     pub fn served_model_name(&self) -> &str {
-        self.served_model_name.as_deref().unwrap_or(&self.model_id)
+        self.serving.served_model_name.as_deref().unwrap_or(&self.model_id)
     }
 
     pub fn shutdown_timeout(&self) -> Duration {
-        Duration::from_secs(self.shutdown_timeout)
+        Duration::from_secs(self.serving.shutdown_timeout)
     }
 
     pub fn cost_window(&self) -> Duration {
-        Duration::from_secs(self.cost_window_secs)
+        Duration::from_secs(self.serving.cost_window_secs)
     }
 
     pub fn serve_options(&self) -> ServeOptions {
         ServeOptions {
-            max_connections: self.max_connections as usize,
-            header_timeout: Duration::from_secs(self.header_timeout),
-            body_timeout: Duration::from_secs(self.body_timeout),
+            max_connections: self.serving.max_connections as usize,
+            header_timeout: Duration::from_secs(self.serving.header_timeout),
+            body_timeout: Duration::from_secs(self.serving.body_timeout),
         }
     }
 
     pub fn step_deadline(&self) -> StepDeadline {
         StepDeadline {
-            steady: Duration::from_secs(self.step_timeout),
-            first_steps: Duration::from_secs(self.first_steps_timeout),
+            steady: Duration::from_secs(self.serving.step_timeout),
+            first_steps: Duration::from_secs(self.serving.first_steps_timeout),
         }
     }
 
@@ -239,16 +365,16 @@ impl RouterConfig {
 
     /// The speculation settings; None when `--speculate` is not given.
     pub fn speculation(&self) -> Result<Option<crate::scheduler::SpeculationConfig>, ConfigError> {
-        let Some(Speculate::Ngram) = self.speculate else { return Ok(None) };
-        if self.ngram_min > self.ngram_max {
-            return Err(ConfigError::NgramRange { min: self.ngram_min, max: self.ngram_max });
+        let Some(Speculate::Ngram) = self.serving.speculate else { return Ok(None) };
+        if self.serving.ngram_min > self.serving.ngram_max {
+            return Err(ConfigError::NgramRange { min: self.serving.ngram_min, max: self.serving.ngram_max });
         }
         Ok(Some(crate::scheduler::SpeculationConfig {
-            max_tokens: self.speculate_tokens as usize,
-            ngram_min: self.ngram_min as usize,
-            ngram_max: self.ngram_max as usize,
-            max_batch_size: self.speculate_max_batch_size as usize,
-            max_step_tokens: self.speculate_max_step_tokens as usize,
+            max_tokens: self.serving.speculate_tokens as usize,
+            ngram_min: self.serving.ngram_min as usize,
+            ngram_max: self.serving.ngram_max as usize,
+            max_batch_size: self.serving.speculate_max_batch_size as usize,
+            max_step_tokens: self.serving.speculate_max_step_tokens as usize,
         }))
     }
 
@@ -257,26 +383,27 @@ impl RouterConfig {
     /// Warmup, which needs them.
     pub fn resolve_limits(&self, max_position_embeddings: u32) -> Result<ResolvedLimits, ConfigError> {
         let model = if max_position_embeddings == 0 { u32::MAX } else { max_position_embeddings };
-        let max_total_tokens = self.max_total_tokens.unwrap_or(model.min(DEFAULT_MAX_TOTAL_TOKENS));
+        let max_total_tokens = self.serving.max_total_tokens.unwrap_or(model.min(DEFAULT_MAX_TOTAL_TOKENS));
         if max_total_tokens > model {
             return Err(ConfigError::TotalAboveModel { total: max_total_tokens, model });
         }
-        let max_input_tokens = self.max_input_tokens.unwrap_or(max_total_tokens.saturating_sub(1));
+        let max_input_tokens = self.serving.max_input_tokens.unwrap_or(max_total_tokens.saturating_sub(1));
         if max_input_tokens >= max_total_tokens {
             return Err(ConfigError::InputNotBelowTotal { input: max_input_tokens, total: max_total_tokens });
         }
         let checks = [
             ("max-input-tokens", max_input_tokens),
-            ("max-concurrent-requests", self.max_concurrent_requests),
-            ("max-n", self.max_n),
+            ("max-concurrent-requests", self.serving.max_concurrent_requests),
+            ("max-n", self.serving.max_n),
         ];
         if let Some((name, _)) = checks.iter().find(|(_, v)| *v == 0) {
             return Err(ConfigError::Zero(name));
         }
         let max_batch_prefill_tokens = self
+            .serving
             .max_batch_prefill_tokens
             .unwrap_or(max_total_tokens.min(DEFAULT_MAX_TOTAL_TOKENS));
-        let max_batch_size = self.max_batch_size.unwrap_or(self.max_concurrent_requests);
+        let max_batch_size = self.serving.max_batch_size.unwrap_or(self.serving.max_concurrent_requests);
         if max_batch_prefill_tokens == 0 {
             return Err(ConfigError::Zero("max-batch-prefill-tokens"));
         }
@@ -293,7 +420,7 @@ impl RouterConfig {
 }
 
 /// A `--cors-allow-origin` value: `*`, or what an `Origin` header holds.
-pub fn parse_origin(value: &str) -> Result<String, String> {
+fn parse_origin(value: &str) -> Result<String, String> {
     let value = value.trim();
     if value == "*" || (value.contains("://") && axum::http::HeaderValue::from_str(value).is_ok()) {
         Ok(value.to_string())
@@ -312,10 +439,42 @@ mod tests {
         RouterConfig::try_parse_from(argv).unwrap()
     }
 
+    /// What the launcher hands on is what the user gave it: every flag set
+    /// to a value other than its default, through `router_args`, parses
+    /// back to the same flags (the key travels in the environment instead).
+    #[test]
+    fn router_args_hand_on_every_flag() {
+        let given = parse(&[
+            "--hostname", "127.0.0.1", "--port", "9000", "--max-input-tokens", "100", "--max-total-tokens", "200",
+            "--max-batch-prefill-tokens", "300", "--max-batch-total-tokens", "4000", "--max-batch-size", "8",
+            "--max-concurrent-requests", "9", "--max-stop-sequences", "2", "--max-top-n-tokens", "3", "--max-n", "2",
+            "--max-client-batch-size", "7", "--no-prefix-caching", "--served-model-name", "m",
+            "--chat-template", "t.jinja", "--tool-call-parser", "llama3_json", "--api-key", "k",
+            "--cors-allow-origin", "http://a,http://b", "--payload-limit", "10", "--max-connections", "5",
+            "--header-timeout", "6", "--body-timeout", "7", "--shutdown-timeout", "8", "--step-timeout", "45",
+            "--first-steps-timeout", "90", "--progress-timeout", "20", "--json-output",
+            "--otlp-endpoint", "http://o:4317", "--otlp-service-name", "svc", "--hourly-cost", "1.25",
+            "--cost-window-secs", "30", "--speculate", "ngram", "--speculate-tokens", "6", "--ngram-min", "2",
+            "--ngram-max", "4", "--speculate-max-batch-size", "3", "--speculate-max-step-tokens", "32",
+        ])
+        .serving;
+        let args = given.router_args();
+        assert!(!args.iter().any(|a| a == "k"), "the key is not on the command line: {args:?}");
+        let mut argv = vec!["sluice-router".to_string(), "--tokenizer".into(), "m".into()];
+        argv.extend(args);
+        let handed = RouterConfig::try_parse_from(argv).unwrap().serving;
+        assert_eq!(handed, ServingFlags { api_key: None, ..given });
+        // Defaults hand on as defaults.
+        let defaults = parse(&[]).serving;
+        let mut argv = vec!["sluice-router".to_string(), "--tokenizer".into(), "m".into()];
+        argv.extend(defaults.router_args());
+        assert_eq!(RouterConfig::try_parse_from(argv).unwrap().serving, defaults);
+    }
+
     #[test]
     fn cors_origins_are_checked_when_parsed() {
         let config = parse(&["--cors-allow-origin", "*,https://app.example:8443"]);
-        assert_eq!(config.cors_allow_origin, ["*", "https://app.example:8443"]);
+        assert_eq!(config.serving.cors_allow_origin, ["*", "https://app.example:8443"]);
         let error = RouterConfig::try_parse_from(["sluice-router", "--tokenizer", "m", "--cors-allow-origin", "app\nx"])
             .unwrap_err()
             .to_string();
@@ -347,18 +506,18 @@ mod tests {
     fn names_and_flags() {
         let config = parse(&["--model-id", "org/m", "--cors-allow-origin", "https://a.example", "--cors-allow-origin", "http://b:8080", "--json-output"]);
         assert_eq!(config.served_model_name(), "org/m");
-        assert_eq!(config.cors_allow_origin, ["https://a.example", "http://b:8080"]);
-        assert!(config.json_output);
+        assert_eq!(config.serving.cors_allow_origin, ["https://a.example", "http://b:8080"]);
+        assert!(config.serving.json_output);
         assert!(RouterConfig::try_parse_from(["sluice-router", "--tokenizer", "m", "--port", "x"]).is_err());
     }
 
     #[test]
     fn price_and_window() {
         let config = parse(&[]);
-        assert_eq!((config.hourly_cost, config.cost_window()), (None, Duration::from_secs(60)));
+        assert_eq!((config.serving.hourly_cost, config.cost_window()), (None, Duration::from_secs(60)));
         let config = parse(&["--hourly-cost", "2.5", "--cost-window-secs", "30"]);
-        assert_eq!((config.hourly_cost, config.cost_window_secs), (Some(2.5), 30));
-        assert_eq!(parse(&["--hourly-cost", "0"]).hourly_cost, Some(0.0));
+        assert_eq!((config.serving.hourly_cost, config.serving.cost_window_secs), (Some(2.5), 30));
+        assert_eq!(parse(&["--hourly-cost", "0"]).serving.hourly_cost, Some(0.0));
         let try_parse = |args: &[&str]| {
             let mut argv = vec!["sluice-router", "--tokenizer", "model"];
             argv.extend_from_slice(args);

@@ -28,8 +28,8 @@
 //!
 //! Beside the path: `metrics` names and records every Prometheus series,
 //! `telemetry` sets up logs and traces, `config` is the one typed
-//! configuration built from the command line at startup, `cli` starts
-//! everything. `testing` holds test doubles (an in-process shard behind the
+//! configuration built from the command line at startup (its
+//! `ServingFlags` are the launcher's flags too), `cli` starts everything. `testing` holds test doubles (an in-process shard behind the
 //! same `client::Shard` trait).
 
 pub mod pb {
