@@ -20,15 +20,18 @@
 //! however many choices (`n`) it has; completion tokens are summed over every
 //! choice.
 
+use std::sync::Arc;
 use std::time::Instant;
 
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::response::sse::Event;
 use axum::response::Response;
 use futures::StreamExt;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use crate::detokenize::Detokenizer;
-use crate::http::error::ApiError;
+use crate::http::error::{body_bytes, ApiError};
 use crate::http::sse::sse_response;
 use crate::http::state::AppState;
 use crate::infer::{FinishReason, GeneratedToken, InferError, InferEvent, InferStream, TokenLogprob, ValidRequest};
@@ -392,6 +395,35 @@ impl Choices {
         };
         sse_response(events)
     }
+}
+
+/// What an endpoint's request work (run off the async runtime) hands the
+/// driver: the prompts to submit, how to shape the answer, whether to stream.
+pub struct Prepared<S> {
+    pub prompts: Vec<Validated>,
+    pub shape: S,
+    pub stream: bool,
+}
+
+/// The path every OpenAI endpoint shares after routing: `prepare` parses and
+/// validates the body on a blocking thread ([`AppState::off_runtime`]), the
+/// choices are submitted, and the answer is an SSE stream, or whatever
+/// `buffered` builds from the finished choices.
+pub async fn drive<S: StreamShape>(
+    state: Arc<AppState>,
+    body: Result<Bytes, BytesRejection>,
+    record: &mut RequestRecord,
+    prepare: fn(&AppState, &[u8]) -> Result<Prepared<S>, ApiError>,
+    buffered: impl FnOnce(S, Vec<Collected>, TokenUsage) -> Response,
+) -> Result<Response, ApiError> {
+    let body = body_bytes(body)?;
+    let Prepared { prompts, shape, stream } = state.off_runtime(move |state| prepare(state, &body)).await?;
+    let choices = Choices::submit(&state, prompts).await?;
+    if stream {
+        return Ok(choices.sse(shape, record.take()));
+    }
+    let (results, usage) = choices.collect(record).await?;
+    Ok(buffered(shape, results, usage))
 }
 
 /// How an API turns the merged events of its choices into SSE events.

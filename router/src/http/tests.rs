@@ -354,13 +354,9 @@ async fn bad_requests_get_precise_errors() {
     assert!(text.contains("payload_too_large"));
 }
 
-#[tokio::test]
-async fn overload_is_429_with_retry_after() {
-    let mut setup = Setup { max_concurrent_requests: 1, ..Default::default() };
-    // The slow request holds the only slot for 12 steps of 200 ms; the
-    // second one is sent once the scheduler has it, not after a guessed pause.
-    setup.fake.latency = Duration::from_millis(200);
-    let (app, state) = build(setup);
+/// Sends a request of 12 steps and returns once the scheduler holds it (not
+/// after a guessed pause); its answer is the returned task's.
+async fn hold_a_slot(app: &Router, state: &AppState) -> tokio::task::JoinHandle<(StatusCode, Value)> {
     let slow = {
         let app = app.clone();
         tokio::spawn(async move { post(&app, "/generate", json!({"inputs": "a", "parameters": {"max_new_tokens": 12}})).await })
@@ -372,6 +368,16 @@ async fn overload_is_429_with_retry_after() {
         }
     };
     tokio::time::timeout(Duration::from_secs(60), admitted).await.expect("the slow request never reached the scheduler");
+    slow
+}
+
+#[tokio::test]
+async fn overload_is_429_with_retry_after() {
+    let mut setup = Setup { max_concurrent_requests: 1, ..Default::default() };
+    // The slow request holds the only slot for 12 steps of 200 ms.
+    setup.fake.latency = Duration::from_millis(200);
+    let (app, state) = build(setup);
+    let slow = hold_a_slot(&app, &state).await;
     let (status, headers, text) = call(&app, "POST", "/generate", Some(json!({"inputs": "b"}))).await;
     assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{text}");
     assert_eq!(headers["retry-after"], "1");
@@ -402,16 +408,7 @@ async fn a_request_is_admitted_whole_or_not_at_all() {
     let mut setup = Setup { max_concurrent_requests: 4, ..Default::default() };
     setup.fake.latency = Duration::from_millis(100);
     let (app, state) = build(setup);
-    let slow = {
-        let app = app.clone();
-        tokio::spawn(async move { post(&app, "/generate", json!({"inputs": "a", "parameters": {"max_new_tokens": 12}})).await })
-    };
-    let admitted = async {
-        while state.infer.stats().await.map_or(0, |s| s.waiting + s.running) == 0 {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(60), admitted).await.expect("the slow request never reached the scheduler");
+    let slow = hold_a_slot(&app, &state).await;
     // 2 prompts x n = 2: four sequences, three free slots.
     let four = json!({"prompt": ["x", "y"], "n": 2, "max_tokens": 2});
     let (status, body) = post(&app, "/v1/completions", four.clone()).await;

@@ -26,14 +26,14 @@ use super::types::{
 };
 use super::{fingerprint, parameters, ResponseId};
 use crate::chat_template::TemplateMessage;
-use crate::http::error::{body_bytes, parse_json, ApiError, OpenAiError};
-use crate::http::generation::{Choices, Collected, Finish, GenEvent, RequestRecord, StreamShape, TokenUsage};
+use crate::http::error::{parse_json, ApiError, OpenAiError};
+use crate::http::generation::{drive, Collected, Finish, GenEvent, Prepared, RequestRecord, StreamShape, TokenUsage};
 use crate::http::sse::{done_event, json_event};
 use crate::http::state::AppState;
 use crate::infer::GeneratedToken;
 use crate::tokenizer::Tokenizer;
 use crate::tool_calls::stream::{ToolCallParser, ToolEvent};
-use crate::validation::{one_constraint, Prompt, ValidTools, ValidationError, Validated};
+use crate::validation::{one_constraint, Prompt, ValidTools, ValidationError};
 
 #[utoipa::path(post, path = "/v1/chat/completions", request_body = ChatCompletionRequest,
     responses(
@@ -48,26 +48,16 @@ pub async fn chat_completions(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, OpenAiError> {
     let mut record = RequestRecord::new("chat_completions");
-    let result = chat(state, body, &mut record).await;
+    let result = drive(state, body, &mut record, prepare, |mut shape, results, usage| {
+        Json(shape.completion(results, usage)).into_response()
+    })
+    .await;
     Ok(record.settle(result)?)
 }
 
-async fn chat(state: Arc<AppState>, body: Result<Bytes, BytesRejection>, record: &mut RequestRecord) -> Result<Response, ApiError> {
-    let body = body_bytes(body)?;
-    let (validated, shape, stream) = state.off_runtime(move |state| prepare(state, &body)).await?;
-    let choices = Choices::submit(&state, validated).await?;
-    if stream {
-        return Ok(choices.sse(shape, record.take()));
-    }
-    let (results, usage) = choices.collect(record).await?;
-    let mut shape = shape;
-    Ok(Json(shape.completion(results, usage)).into_response())
-}
-
-/// The request's CPU work, off the async runtime: parse, render the
-/// template, tokenize, compile its constraint. Returns the prompt to submit,
-/// how to shape the answer, and whether to stream it.
-fn prepare(state: &AppState, body: &[u8]) -> Result<(Vec<Validated>, ChatShape, bool), ApiError> {
+/// The request's work, off the async runtime: parse, render the template,
+/// tokenize, compile its constraint.
+fn prepare(state: &AppState, body: &[u8]) -> Result<Prepared<ChatShape>, ApiError> {
     let request: ChatCompletionRequest = parse_json(body)?;
     state.validation.check_model(request.model.as_deref())?;
     let tools = tool_request(request.tools.as_deref(), request.tool_choice.as_ref(), request.parallel_tool_calls)?;
@@ -101,7 +91,7 @@ fn prepare(state: &AppState, body: &[u8]) -> Result<(Vec<Validated>, ChatShape, 
         include_usage: request.sampling.stream_options.is_some_and(|o| o.include_usage),
         parsers: tool_format.map(|f| (0..params.n).map(|_| ToolCallParser::new(f.clone())).collect()),
     };
-    Ok((validated, shape, request.sampling.stream.unwrap_or(false)))
+    Ok(Prepared { prompts: validated, shape, stream: request.sampling.stream.unwrap_or(false) })
 }
 
 /// A message as the chat template sees it: content flattened, earlier tool

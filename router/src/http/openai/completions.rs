@@ -14,8 +14,8 @@ use axum::Json;
 use super::types::{Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, PromptInput};
 use super::structured::openai_constraint;
 use super::{fingerprint, parameters, ResponseId};
-use crate::http::error::{body_bytes, parse_json, ApiError, OpenAiError};
-use crate::http::generation::{Choices, Collected, Finish, GenEvent, RequestRecord, StreamShape, TokenUsage};
+use crate::http::error::{parse_json, ApiError, OpenAiError};
+use crate::http::generation::{drive, Collected, Finish, GenEvent, Prepared, RequestRecord, StreamShape, TokenUsage};
 use crate::http::sse::{done_event, json_event};
 use crate::http::state::AppState;
 use crate::infer::{GeneratedToken, TokenLogprob};
@@ -37,25 +37,16 @@ pub async fn completions(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, OpenAiError> {
     let mut record = RequestRecord::new("completions");
-    let result = complete(state, body, &mut record).await;
+    let result = drive(state, body, &mut record, prepare, |shape, results, usage| {
+        Json(shape.completion(&results, usage)).into_response()
+    })
+    .await;
     Ok(record.settle(result)?)
 }
 
-async fn complete(state: Arc<AppState>, body: Result<Bytes, BytesRejection>, record: &mut RequestRecord) -> Result<Response, ApiError> {
-    let body = body_bytes(body)?;
-    let (validated, shape, stream) = state.off_runtime(move |state| prepare(state, &body)).await?;
-    let choices = Choices::submit(&state, validated).await?;
-    if stream {
-        return Ok(choices.sse(shape, record.take()));
-    }
-    let (results, usage) = choices.collect(record).await?;
-    Ok(Json(shape.completion(&results, usage)).into_response())
-}
-
-/// The request's CPU work, off the async runtime: parse, tokenize every
-/// prompt, compile the constraint. Returns the prompts to submit, how to
-/// shape the answer, and whether to stream it.
-fn prepare(state: &AppState, body: &[u8]) -> Result<(Vec<Validated>, CompletionShape, bool), ApiError> {
+/// The request's work, off the async runtime: parse, tokenize every prompt,
+/// compile the constraint.
+fn prepare(state: &AppState, body: &[u8]) -> Result<Prepared<CompletionShape>, ApiError> {
     let request: CompletionRequest = parse_json(body)?;
     state.validation.check_model(request.model.as_deref())?;
     let prompts: Vec<Prompt> = match request.prompt {
@@ -76,7 +67,7 @@ fn prepare(state: &AppState, body: &[u8]) -> Result<(Vec<Validated>, CompletionS
     let validated = state.validation.validate_prompts(&prompts, "prompt", &params)?;
     let shape = CompletionShape::new(state, &validated, echo, request.logprobs);
     let shape = CompletionShape { include_usage: request.sampling.stream_options.is_some_and(|o| o.include_usage), ..shape };
-    Ok((validated, shape, request.sampling.stream.unwrap_or(false)))
+    Ok(Prepared { prompts: validated, shape, stream: request.sampling.stream.unwrap_or(false) })
 }
 
 /// Shapes one completions request's answer, buffered or streamed.
