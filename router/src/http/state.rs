@@ -97,8 +97,11 @@ impl AppState {
     pub async fn off_runtime<R: Send + 'static>(self: &Arc<Self>, work: impl FnOnce(&AppState) -> R + Send + 'static) -> R {
         let permit = self.cpu_work.clone().acquire_owned().await.expect("the CPU-work semaphore is never closed");
         let state = self.clone();
+        // The work's spans (validate, tokenize) stay in the request's trace.
+        let span = tracing::Span::current();
         let task = tokio::task::spawn_blocking(move || {
             let _permit = permit;
+            let _entered = span.enter();
             work(&state)
         });
         match task.await {
