@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use super::error::{body_bytes, parse_json, ApiError, TgiError};
-use super::generation::{Choices, Collected, Finish, GenEvent, RequestRecord, StreamShape, TokenUsage};
+use super::generation::{Choices, Collected, Finish, GenEvent, Prepared, RequestRecord, StreamShape, TokenUsage};
 use super::sse::json_event;
 use super::state::AppState;
 use crate::infer::TokenLogprob;
@@ -325,16 +325,14 @@ impl StreamShape for TgiShape {
     }
 }
 
-/// A TGI request's CPU work, off the async runtime: parse, tokenize,
-/// compile its grammar. `stream`: which route it came by (None for `POST /`,
-/// where the body's `stream` decides).
-struct Prepared {
-    validated: Validated,
-    shape: TgiShape,
-    stream: bool,
-}
-
-async fn prepare(state: &Arc<AppState>, body: Result<Bytes, BytesRejection>, stream: Option<bool>) -> Result<Prepared, ApiError> {
+/// A TGI request's work, off the async runtime: parse, tokenize, compile its
+/// grammar. `stream`: which route it came by (None for `POST /`, where the
+/// body's `stream` decides).
+async fn prepare(
+    state: &Arc<AppState>,
+    body: Result<Bytes, BytesRejection>,
+    stream: Option<bool>,
+) -> Result<Prepared<TgiShape>, ApiError> {
     let body = body_bytes(body)?;
     state
         .off_runtime(move |state| {
@@ -342,20 +340,24 @@ async fn prepare(state: &Arc<AppState>, body: Result<Bytes, BytesRejection>, str
             let stream = stream.unwrap_or(request.stream);
             let validated = validate(state, &request, stream)?;
             let shape = TgiShape::new(state, request, &validated);
-            Ok(Prepared { validated, shape, stream })
+            Ok(Prepared { prompts: vec![validated], shape, stream })
         })
         .await
 }
 
-async fn generate_inner(state: &AppState, prepared: Result<Prepared, ApiError>, record: &mut RequestRecord) -> Result<GenerateResponse, ApiError> {
-    let Prepared { validated, shape, .. } = prepared?;
-    let (mut results, _) = Choices::submit(state, vec![validated]).await?.collect(record).await?;
+async fn generate_inner(
+    state: &AppState,
+    prepared: Result<Prepared<TgiShape>, ApiError>,
+    record: &mut RequestRecord,
+) -> Result<GenerateResponse, ApiError> {
+    let Prepared { prompts, shape, .. } = prepared?;
+    let (mut results, _) = Choices::submit(state, prompts).await?.collect(record).await?;
     Ok(shape.response(results.remove(0)))
 }
 
-async fn stream_inner(state: &AppState, prepared: Result<Prepared, ApiError>, record: &mut RequestRecord) -> Result<Response, ApiError> {
-    let Prepared { validated, shape, .. } = prepared?;
-    let choices = Choices::submit(state, vec![validated]).await?;
+async fn stream_inner(state: &AppState, prepared: Result<Prepared<TgiShape>, ApiError>, record: &mut RequestRecord) -> Result<Response, ApiError> {
+    let Prepared { prompts, shape, .. } = prepared?;
+    let choices = Choices::submit(state, prompts).await?;
     Ok(choices.sse(shape, record.take()))
 }
 
