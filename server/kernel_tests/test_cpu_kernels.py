@@ -1,8 +1,7 @@
 """The C++ CPU kernels (`sluice_server/csrc`, loaded by layers.cpu_kernels)
 against the plain-torch code they replace: TorchAttention's gather + SDPA
-decode path, TorchOps' RMSNorm, rotary and SiLU-and-mul, and float32 matmuls
-for the matmuls on GGUF blocks (whose expansion is checked against the gguf
-package's own dequantizer).
+decode path, and TorchOps' RMSNorm, rotary and SiLU-and-mul. The matmuls on
+GGUF blocks have their own module, test_cpu_q8_linear.py.
 
 scripts/install.sh installs the C++ compiler they need, so in CI this module
 never skips."""
@@ -13,13 +12,11 @@ import pytest
 import torch
 
 from sluice_server.layers import cpu_kernels
-from sluice_server.layers.gguf_weights import EXACT_FORMATS as FORMATS, QuantizedWeight
 from sluice_server.layers.attention import AttentionMetadata, LayerAttention
 from sluice_server.layers.torch_attention import TorchAttention
 from sluice_server.layers.ops import CpuOps, TorchOps, rotary_tables
 from sluice_server.layers.rotary import inverse_frequencies
 
-from .kernel_cases import random_blocks
 
 # Skipped only where the kernels cannot be built at all (no compiler, no
 # ninja); where a compiler exists a build error raises here, at collection,
@@ -155,36 +152,3 @@ def test_other_dtypes_take_the_torch_path():
     want = TorchOps().rms_norm(x, weight, 1e-6, None)
     assert got[0].dtype == torch.bfloat16
     torch.testing.assert_close(got[0], want[0], atol=0, rtol=0)
-
-
-# --- matmuls on GGUF blocks -------------------------------------------------
-
-
-@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
-def test_dequantize_matches_the_gguf_package(fmt):
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    blocks = random_blocks(fmt, 37, 576, seed=1)
-    want = torch.from_numpy(dequantize(blocks, GGMLQuantizationType[fmt]).copy())
-    got = torch.ops.sluice_cpu.dequantize(torch.from_numpy(blocks).reshape(-1), FORMATS[fmt], 37, 576)
-    assert torch.equal(got, want)
-
-
-@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 20])
-def test_quant_linear_matches_float_linear(fmt, rows):
-    n, k = 45, 1536
-    blocks = torch.from_numpy(random_blocks(fmt, n, k, seed=rows)).reshape(-1)
-    weight = torch.ops.sluice_cpu.dequantize(blocks, FORMATS[fmt], n, k)
-    x = randn(rows, k + 64, seed=2)[:, :k]  # strided rows
-    got = QuantizedWeight(blocks, FORMATS[fmt], n, int8=False, max_rows=64).linear(x)
-    torch.testing.assert_close(got, x @ weight.T, atol=1e-4, rtol=1e-5)
-
-
-def test_quant_linear_rejects_mismatched_blocks():
-    blocks = torch.from_numpy(random_blocks("Q4_1", 4, 64, seed=3)).reshape(-1)
-    with pytest.raises(RuntimeError, match="holds 160 bytes, not the 320 of"):
-        torch.ops.sluice_cpu.quant_linear(randn(1, 64), blocks, FORMATS["Q4_1"], 8)
-    with pytest.raises(RuntimeError, match="multiple of 32"):
-        torch.ops.sluice_cpu.quant_linear(randn(1, 48), blocks, FORMATS["Q4_1"], 4)

@@ -1,8 +1,14 @@
-"""The int8-activation matmul on GGUF blocks (`csrc/cpu_q8_linear.cpp`)
-against a plain-torch reference of the same arithmetic, for every kernel this
-host can run (AVX-512 VNNI, AVX-VNNI, AVX2, scalar) and every block type and
-record layout: the kernels differ from the reference only in float summation
-order, and a row's result does not depend on the other rows of its matmul.
+"""The matmuls on GGUF blocks (`csrc/cpu_q8_linear.cpp`), for every kernel
+this host can run (AVX-512 VNNI, AVX-VNNI, AVX2, scalar) and every block type
+and record layout, in both arithmetics on the same packed records:
+
+- int8 activations (`q8_linear`) against a plain-torch reference of the same
+  arithmetic;
+- float activations (`exact_linear`, the --dtype float32 path) against the
+  float matmul with the expanded weight, which it must hold bit for bit.
+
+The kernels differ from their reference only in float summation order, and a
+row's result does not depend on the other rows of its matmul.
 
 The blocks' unpacking into (sw, cw, wq) (layers/gguf_blocks.py) is checked
 against the gguf package's dequantizer first. The reference
@@ -79,6 +85,21 @@ def q8_linear(x, w: gguf_blocks.Records, layout: int, isa: int = 0) -> torch.Ten
     return torch.ops.sluice_cpu.q8_linear(x, gguf_blocks.pack(w, layout), layout, w.wq.shape[0], isa)
 
 
+def exact_linear(x, w: gguf_blocks.Records, layout: int, isa: int = 0) -> torch.Tensor:
+    return torch.ops.sluice_cpu.exact_linear(x, gguf_blocks.pack(w, layout), layout, w.wq.shape[0], isa)
+
+
+def assert_float_matmul(got: torch.Tensor, x: torch.Tensor, w: gguf_blocks.Records) -> None:
+    """got equals x @ W.T up to float32 summation, in whatever order: each
+    output within K * 2^-24 * sum_j |x_j w_j| of the exact sum (the standard
+    bound for K - 1 additions), plus the final rounding."""
+    weight = torch.from_numpy(w.expand()).double()
+    exact = x.double() @ weight.T
+    bound = x.shape[1] * 2.0**-24 * (x.double().abs() @ weight.abs().T) + 2.0**-24 * exact.abs()
+    excess = (got.double() - exact).abs() - bound
+    assert (excess <= 0).all(), f"beyond the summation bound by up to {excess.max().item():.3g}"
+
+
 def randn(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
@@ -121,26 +142,54 @@ def test_kernels_match_the_reference(isa, fmt, rows):
 
 
 @pytest.mark.parametrize("isa", [isa_param(c) for c in ALL_ISAS])
-def test_a_layer_of_mixed_types(isa):
+@pytest.mark.parametrize("fmt", sorted(LAYOUTS))
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9, 17, 70])
+def test_exact_kernels_match_the_float_matmul(isa, fmt, rows):
+    n, k = 45, 512
+    w = records(fmt, n, k, seed=rows)
+    x = randn(rows, k + 64, seed=2)[:, :k]  # strided rows
+    assert_float_matmul(exact_linear(x, w, LAYOUTS[fmt], isa), x, w)
+
+
+@pytest.mark.parametrize("isa", [isa_param(c) for c in ALL_ISAS])
+@pytest.mark.parametrize("fmt", sorted(LAYOUTS))
+def test_exact_kernels_expand_the_weight_bit_for_bit(isa, fmt):
+    """One-hot rows pick single weights out of the sums (every other product
+    is a zero): what comes out is the expansion itself, which must equal the
+    gguf package's dequantized weight exactly."""
+    n, k = 45, 256
+    w = records(fmt, n, k, seed=9)
+    assert torch.equal(exact_linear(torch.eye(k), w, LAYOUTS[fmt], isa), torch.from_numpy(w.expand()).T)
+
+
+def mixed_layers():
     """Q4_K_M files mix types within a layer (q/k and v of one attention):
     the records of all of them in a layout that holds every type's."""
-    x = randn(3, 512, seed=8)
     for types, want in ((("Q4_K", "Q8_0", "Q5_0"), 3), (("Q4_K", "Q6_K", "Q8_0"), 4)):
         parts = [records(t, 8 + 5 * i, 512, seed=i) for i, t in enumerate(types)]
         w = gguf_blocks.Records(*(np.concatenate(a) for a in zip(*((p.sw, p.cw, p.wq) for p in parts))))
         layout = gguf_blocks.layout(set(types), w)
         assert layout == want
+        yield w, layout
+
+
+@pytest.mark.parametrize("isa", [isa_param(c) for c in ALL_ISAS])
+def test_a_layer_of_mixed_types(isa):
+    x = randn(3, 512, seed=8)
+    for w, layout in mixed_layers():
         torch.testing.assert_close(q8_linear(x, w, layout, isa), reference_q8_linear(x, w), rtol=2e-5, atol=2e-5)
+        assert_float_matmul(exact_linear(x, w, layout, isa), x, w)
 
 
+@pytest.mark.parametrize("linear", [q8_linear, exact_linear], ids=["int8", "exact"])
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
-def test_a_row_does_not_depend_on_the_other_rows(fmt):
+def test_a_row_does_not_depend_on_the_other_rows(fmt, linear):
     n, k = 77, 1536
     w = records(fmt, n, k, seed=11)
     x = randn(300, k, seed=12) * torch.linspace(0.1, 3, k)  # > 64 rows: several work items
-    all_rows = q8_linear(x, w, LAYOUTS[fmt])
+    all_rows = linear(x, w, LAYOUTS[fmt])
     for rows in (slice(5, 6), slice(100, 117), slice(250, 300)):
-        assert torch.equal(all_rows[rows], q8_linear(x[rows], w, LAYOUTS[fmt]))
+        assert torch.equal(all_rows[rows], linear(x[rows], w, LAYOUTS[fmt]))
 
 
 @pytest.mark.parametrize("fmt", sorted(LAYOUTS))
@@ -169,9 +218,12 @@ def test_pack_and_linear_reject_mismatched_shapes():
     with pytest.raises(RuntimeError, match="layout must be"):
         torch.ops.sluice_cpu.q8_pack(sw, cw, wq, 5)
     packed = gguf_blocks.pack(w, 0)
-    with pytest.raises(RuntimeError, match="does not match"):
-        torch.ops.sluice_cpu.q8_linear(randn(1, 128), packed, 0, 4)
-    with pytest.raises(RuntimeError, match="does not match"):
-        torch.ops.sluice_cpu.q8_linear(randn(1, 64), packed, 2, 4)
+    for linear in (torch.ops.sluice_cpu.q8_linear, torch.ops.sluice_cpu.exact_linear):
+        with pytest.raises(RuntimeError, match="does not match"):
+            linear(randn(1, 128), packed, 0, 4)
+        with pytest.raises(RuntimeError, match="does not match"):
+            linear(randn(1, 64), packed, 2, 4)
+        with pytest.raises(RuntimeError, match="multiple of 32"):
+            linear(randn(1, 48), packed, 0, 4)
     with pytest.raises(RuntimeError, match="format must be"):
         torch.ops.sluice_cpu.q8_linear(randn(1, 64), packed, 7, 4)

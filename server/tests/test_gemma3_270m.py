@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from sluice_server.layers import cpu_kernels
 from sluice_server.model_runner import ModelRunner
 
 from test_model_numerics import shard_greedy, transformers_greedy
@@ -95,6 +96,11 @@ def test_greedy_matches_transformers(gemma3_dir):
     # The exact path (--dtype float32); the default one quantizes activations.
     runner = ModelRunner(gemma3_dir, dtype="float32", block_size=16)
     assert runner.dtype == torch.float32
+    # The decodes run on the file's own Q4_K / Q6_K / Q5_0 / Q8_0 blocks,
+    # expanded to exactly the float32 weights, wherever the CPU kernels build.
+    if cpu_kernels.load():
+        linears = [m for m in runner.model.modules() if hasattr(m, "quantized")]
+        assert len(linears) == 73 and all(m.quantized is not None for m in linears)
     batched = shard_greedy(runner, prompts, NEW_TOKENS)
     alone = [shard_greedy(runner, [p], NEW_TOKENS)[0] for p in prompts]
     for i, text in enumerate(PROMPTS + ["<long prompt>"]):

@@ -168,7 +168,8 @@ def test_smollm2_greedy_matches_transformers(smollm2_dir):
     # is measured against it by benchmarks/quality.py, not token for token.
     runner = ModelRunner(smollm2_dir, dtype="float32", block_size=16)
     assert runner.dtype == torch.float32 and runner.vocab_size == 49152
-    # The decodes below (<= 4 rows) run on the GGUF's Q4_1/Q8_0 blocks where
+    # The decodes below (<= 4 rows) run on the GGUF's Q4_1/Q8_0 blocks (each
+    # expanded to exactly the float32 weight) where
     # the CPU kernels can be built (load() raises where a build fails), prefill
     # on the float32 weights.
     if cpu_kernels.load():

@@ -30,7 +30,7 @@
 namespace {
 
 struct BlockLinear {
-  at::Tensor data;  // GGUF blocks (exact) or q8_pack's layout (int8)
+  at::Tensor data;  // the blocks in q8_pack's record layout
   int64_t format = 0;
   int64_t out_features = 0;
   bool int8 = false;
@@ -38,7 +38,7 @@ struct BlockLinear {
 
   at::Tensor operator()(const at::Tensor& x) const {
     at::Tensor y = int8 ? sluice_cpu::q8_linear(x, data, format, out_features, 0)
-                        : sluice_cpu::quant_linear(x, data, format, out_features);
+                        : sluice_cpu::exact_linear(x, data, format, out_features, 0);
     if (bias.has_value()) y.add_(*bias);
     return y;
   }

@@ -460,6 +460,140 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_avx2(const Args& a, 
 
 #endif
 
+// ---------------------------------------------------------------------------
+// Float activations on the same records (the exact path, --dtype float32):
+// each record is expanded in registers to w = sw * wq + cw, the float32
+// weight the layer holds (layers/gguf_blocks.Records.expand): sw * wq needs
+// at most 24 bits (fp16 d: 11, a K-quant scale: 7, wq: 6 with it, 8 without
+// one), so it is exact and one fused multiply-add rounds once, as the
+// separate product and sum do. Each expanded weight vector (one value of the
+// block for the group's 16 outputs) is then multiplied into every row of the
+// tile. A row's blocks are summed in order, so a row's result does not depend
+// on the other rows.
+
+struct FArgs {
+  const uint8_t* packed;
+  const float* x;
+  int64_t x_stride;
+  float* y;
+  int64_t nb, N, format;
+};
+
+// Where value j (< 32) of a block sits in the record's weight chunks: chunk
+// c of 64 bytes, 4 bytes per output; the value is (byte >> shift) & mask.
+constexpr int value_chunk(int64_t l, int j) { return four_bit(l) ? (j % 16) / 4 : j / 4; }
+constexpr int value_shift(int64_t l, int j) { return 8 * (j % 4) + (four_bit(l) ? 4 * (j / 16) : 0); }
+
+void fgroup_scalar(const FArgs& a, int64_t g, int64_t r0, int64_t R) {
+  const int64_t rb = record_bytes(a.format);
+  const uint32_t mask = four_bit(a.format) ? 15 : 255;
+  float acc[8][NG] = {};
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t* rec = a.packed + (g * a.nb + b) * rb;
+    const uint8_t* w = rec + header_bytes(a.format);
+    for (int64_t i = 0; i < NG; ++i) {
+      for (int j = 0; j < QK; ++j) {
+        const int h = halves(a.format) ? j / 16 : 0;
+        uint32_t word;
+        std::memcpy(&word, w + value_chunk(a.format, j) * 64 + i * 4, 4);
+        const float q = static_cast<float>((word >> value_shift(a.format, j)) & mask);
+        const float wj = std::fma(q, record_scale(a.format, rec, h, i),
+                                  record_scale(a.format, rec, scale_sets(a.format) / 2 + h, i));
+        for (int64_t r = 0; r < R; ++r) acc[r][i] += wj * a.x[(r0 + r) * a.x_stride + b * QK + j];
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t i = 0; i < NG && g * NG + i < a.N; ++i) a.y[(r0 + r) * a.N + g * NG + i] = acc[r][i];
+}
+
+#ifdef SLUICE_X86
+template <int R, int64_t F>
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) void fgroup_avx512(const FArgs& a, int64_t g,
+                                                                              int64_t r0) {
+  constexpr int64_t rb = record_bytes(F);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const uint8_t* rec = a.packed + g * a.nb * rb;
+  const float* x = a.x + r0 * a.x_stride;
+  const __m512i mask = _mm512_set1_epi32(four_bit(F) ? 15 : 255);
+  for (int64_t b = 0; b < a.nb; ++b, rec += rb, x += QK) {
+    const uint8_t* wp = rec + header_bytes(F);
+    __m512 sw[2], cw[2];
+    if constexpr (halves(F)) {
+      const float* s = reinterpret_cast<const float*>(rec);
+      sw[0] = _mm512_loadu_ps(s), sw[1] = _mm512_loadu_ps(s + 16);
+      cw[0] = _mm512_loadu_ps(s + 32), cw[1] = _mm512_loadu_ps(s + 48);
+    } else if constexpr (f32_scales(F)) {
+      sw[0] = sw[1] = _mm512_loadu_ps(rec);
+      cw[0] = cw[1] = _mm512_loadu_ps(rec + 64);
+    } else {
+      sw[0] = sw[1] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
+      cw[0] = cw[1] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32)));
+    }
+#pragma GCC unroll 32
+    for (int j = 0; j < QK; ++j) {
+      const __m512i chunk = _mm512_loadu_si512(wp + 64 * value_chunk(F, j));
+      const __m512i q = _mm512_and_si512(_mm512_srli_epi32(chunk, value_shift(F, j)), mask);
+      const __m512 wj = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), sw[j / 16], cw[j / 16]);
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(wj, _mm512_set1_ps(x[r * a.x_stride + j]), acc[r]);
+    }
+  }
+  const int64_t n0 = g * NG;
+  const __mmask16 keep = a.N - n0 >= NG ? __mmask16(0xFFFF) : __mmask16((1u << (a.N - n0)) - 1);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(a.y + (r0 + r) * a.N + n0, keep, acc[r]);
+}
+
+// The 16 outputs of a group as two halves of 8.
+template <int R, int64_t F>
+__attribute__((target("avx2,fma,f16c"))) void fgroup_avx2(const FArgs& a, int64_t g, int64_t r0) {
+  constexpr int64_t rb = record_bytes(F);
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const uint8_t* rec = a.packed + g * a.nb * rb;
+  const float* x = a.x + r0 * a.x_stride;
+  const __m256i mask = _mm256_set1_epi32(four_bit(F) ? 15 : 255);
+  for (int64_t b = 0; b < a.nb; ++b, rec += rb, x += QK) {
+    const uint8_t* wp = rec + header_bytes(F);
+    __m256 sw[2][2], cw[2][2];  // [which half of the 32 values][which 8 outputs]
+    for (int h = 0; h < 2; ++h) {
+      if constexpr (halves(F)) {
+        const float* s = reinterpret_cast<const float*>(rec);
+        for (int k = 0; k < 2; ++k) {
+          sw[k][h] = _mm256_loadu_ps(s + 16 * k + 8 * h);
+          cw[k][h] = _mm256_loadu_ps(s + 32 + 16 * k + 8 * h);
+        }
+      } else if constexpr (f32_scales(F)) {
+        sw[0][h] = sw[1][h] = _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 32 * h));
+        cw[0][h] = cw[1][h] = _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 64 + 32 * h));
+      } else {
+        sw[0][h] = sw[1][h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 16 * h)));
+        cw[0][h] = cw[1][h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 + 16 * h)));
+      }
+    }
+#pragma GCC unroll 32
+    for (int j = 0; j < QK; ++j) {
+      for (int h = 0; h < 2; ++h) {
+        const __m256i chunk =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 64 * value_chunk(F, j) + 32 * h));
+        const __m256i q = _mm256_and_si256(_mm256_srli_epi32(chunk, value_shift(F, j)), mask);
+        const __m256 wj = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), sw[j / 16][h], cw[j / 16][h]);
+        for (int r = 0; r < R; ++r)
+          acc[r][h] = _mm256_fmadd_ps(wj, _mm256_set1_ps(x[r * a.x_stride + j]), acc[r][h]);
+      }
+    }
+  }
+  const int64_t n0 = g * NG;
+  for (int r = 0; r < R; ++r) {
+    float* out = a.y + (r0 + r) * a.N + n0;
+    alignas(32) float tmp[NG];
+    _mm256_store_ps(tmp, acc[r][0]);
+    _mm256_store_ps(tmp + 8, acc[r][1]);
+    std::copy(tmp, tmp + std::min<int64_t>(NG, a.N - n0), out);
+  }
+}
+#endif
+
 // Rows per register tile of each kernel.
 constexpr int64_t TILE_AVX512 = 4;
 constexpr int64_t TILE_AVX2 = 2;
@@ -490,6 +624,42 @@ void run_group(Isa isa, const Args& a, int64_t g, int64_t M) {
   for (int64_t r0 = 0; r0 < M; r0 += 8) group_scalar(a, g, r0, std::min<int64_t>(8, M - r0));
 }
 
+constexpr int64_t FTILE_AVX512 = 8;
+constexpr int64_t FTILE_AVX2 = 4;
+
+template <int64_t F>
+void run_fgroup(Isa isa, const FArgs& a, int64_t g, int64_t M) {
+#ifdef SLUICE_X86
+  if (isa == ISA_AVX512_VNNI) {
+    int64_t r0 = 0;
+    for (; r0 + FTILE_AVX512 <= M; r0 += FTILE_AVX512) fgroup_avx512<FTILE_AVX512, F>(a, g, r0);
+    switch (M - r0) {
+      case 7: fgroup_avx512<7, F>(a, g, r0); break;
+      case 6: fgroup_avx512<6, F>(a, g, r0); break;
+      case 5: fgroup_avx512<5, F>(a, g, r0); break;
+      case 4: fgroup_avx512<4, F>(a, g, r0); break;
+      case 3: fgroup_avx512<3, F>(a, g, r0); break;
+      case 2: fgroup_avx512<2, F>(a, g, r0); break;
+      case 1: fgroup_avx512<1, F>(a, g, r0); break;
+      default: break;
+    }
+    return;
+  }
+  if (isa == ISA_AVX_VNNI || isa == ISA_AVX2) {
+    int64_t r0 = 0;
+    for (; r0 + FTILE_AVX2 <= M; r0 += FTILE_AVX2) fgroup_avx2<FTILE_AVX2, F>(a, g, r0);
+    switch (M - r0) {
+      case 3: fgroup_avx2<3, F>(a, g, r0); break;
+      case 2: fgroup_avx2<2, F>(a, g, r0); break;
+      case 1: fgroup_avx2<1, F>(a, g, r0); break;
+      default: break;
+    }
+    return;
+  }
+#endif
+  for (int64_t r0 = 0; r0 < M; r0 += 8) fgroup_scalar(a, g, r0, std::min<int64_t>(8, M - r0));
+}
+
 bool host_has(Isa isa) {
 #ifdef SLUICE_X86
   switch (isa) {
@@ -518,49 +688,84 @@ Isa best_isa() {
   return best;
 }
 
+// Checks the arguments common to both arithmetics; the kernel set to use.
+Isa check_linear(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t N, int64_t isa_code) {
+  TORCH_CHECK(format >= U4_F16 && format <= U8_HALVES, "format must be a record layout, 0..4");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, "x must be float32 [M, K]");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K % QK == 0, "K must be a multiple of 32");
+  const int64_t groups = (N + NG - 1) / NG;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.numel() == groups * (K / QK) * record_bytes(format),
+              "packed weight does not match [", N, ", ", K, "] in this layout (see q8_pack)");
+  const Isa isa = isa_code == ISA_AUTO ? best_isa() : static_cast<Isa>(isa_code);
+  TORCH_CHECK(isa >= ISA_SCALAR && isa <= ISA_AVX512_VNNI, "unknown isa code ", isa_code);
+  TORCH_CHECK(host_has(isa), "this CPU cannot run isa code ", isa_code);
+  return isa;
+}
+
+// Runs fn(group, first row, rows) over work items (group, row tile): few rows
+// split over outputs only; many rows also over row tiles, so each item's
+// weights are read once per tile.
+template <typename Fn>
+void for_each_item(int64_t M, int64_t N, const Fn& fn) {
+  const int64_t groups = (N + NG - 1) / NG, rows_per_item = 64;
+  const int64_t row_items = (M + rows_per_item - 1) / rows_per_item;
+  at::parallel_for(0, groups * row_items, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t g = i % groups, r = (i / groups) * rows_per_item;
+      fn(g, r, std::min(rows_per_item, M - r));
+    }
+  });
+}
+
 }  // namespace
 
 namespace sluice_cpu {
 
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t N, int64_t isa_code) {
-  TORCH_CHECK(format >= U4_F16 && format <= U8_HALVES, "format must be a record layout, 0..4");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, "x must be float32 [M, K]");
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % QK == 0, "K must be a multiple of 32");
-  const int64_t nb = K / QK, groups = (N + NG - 1) / NG;
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.numel() == groups * nb * record_bytes(format),
-              "packed weight does not match [", N, ", ", K, "] in this layout (see q8_pack)");
-  const Isa isa = isa_code == ISA_AUTO ? best_isa() : static_cast<Isa>(isa_code);
-  TORCH_CHECK(isa >= ISA_SCALAR && isa <= ISA_AVX512_VNNI, "unknown isa code ", isa_code);
-  TORCH_CHECK(host_has(isa), "this CPU cannot run isa code ", isa_code);
+  const Isa isa = check_linear(x, packed, format, N, isa_code);
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const QuantizedRows q = quantize_rows(x, isa == ISA_AVX512_VNNI);
   const Args a{packed.data_ptr<uint8_t>(), q.xq.data_ptr<int8_t>(), q.dx.data_ptr<float>(), q.sx.data_ptr<float>(),
                q.sx_lo.data_ptr<float>(), q.sx_hi.data_ptr<float>(), y.data_ptr<float>(), K, nb, N, format};
-  // Work items are (group, row tile): few rows split over outputs only; many
-  // rows also over row tiles so each item's weights are read once per tile.
-  const int64_t rows_per_item = 64;
-  const int64_t row_items = (M + rows_per_item - 1) / rows_per_item;
-  at::parallel_for(0, groups * row_items, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t g = i % groups, r = (i / groups) * rows_per_item;
-      const int64_t m = std::min(rows_per_item, M - r);
-      Args sub = a;
-      sub.xq = a.xq + r * K;
-      sub.dx = a.dx + r * nb;
-      sub.sx = a.sx + r * nb;
-      sub.sx_lo = a.sx_lo + r * nb;
-      sub.sx_hi = a.sx_hi + r * nb;
-      sub.y = a.y + r * N;
-      switch (format) {
-        case U4_F16: run_group<U4_F16>(isa, sub, g, m); break;
-        case U8_F16: run_group<U8_F16>(isa, sub, g, m); break;
-        case U4_F32: run_group<U4_F32>(isa, sub, g, m); break;
-        case U8_F32: run_group<U8_F32>(isa, sub, g, m); break;
-        default: run_group<U8_HALVES>(isa, sub, g, m); break;
-      }
+  for_each_item(M, N, [&](int64_t g, int64_t r, int64_t m) {
+    Args sub = a;
+    sub.xq = a.xq + r * K;
+    sub.dx = a.dx + r * nb;
+    sub.sx = a.sx + r * nb;
+    sub.sx_lo = a.sx_lo + r * nb;
+    sub.sx_hi = a.sx_hi + r * nb;
+    sub.y = a.y + r * N;
+    switch (format) {
+      case U4_F16: run_group<U4_F16>(isa, sub, g, m); break;
+      case U8_F16: run_group<U8_F16>(isa, sub, g, m); break;
+      case U4_F32: run_group<U4_F32>(isa, sub, g, m); break;
+      case U8_F32: run_group<U8_F32>(isa, sub, g, m); break;
+      default: run_group<U8_HALVES>(isa, sub, g, m); break;
+    }
+  });
+  return y;
+}
+
+at::Tensor exact_linear(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t N, int64_t isa_code) {
+  const Isa isa = check_linear(x, packed, format, N, isa_code);
+  const int64_t M = x.size(0), nb = x.size(1) / QK;
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const FArgs a{packed.data_ptr<uint8_t>(), x.data_ptr<float>(), x.stride(0), y.data_ptr<float>(), nb, N, format};
+  for_each_item(M, N, [&](int64_t g, int64_t r, int64_t m) {
+    FArgs sub = a;
+    sub.x = a.x + r * a.x_stride;
+    sub.y = a.y + r * N;
+    switch (format) {
+      case U4_F16: run_fgroup<U4_F16>(isa, sub, g, m); break;
+      case U8_F16: run_fgroup<U8_F16>(isa, sub, g, m); break;
+      case U4_F32: run_fgroup<U4_F32>(isa, sub, g, m); break;
+      case U8_F32: run_fgroup<U8_F32>(isa, sub, g, m); break;
+      default: run_fgroup<U8_HALVES>(isa, sub, g, m); break;
     }
   });
   return y;
@@ -591,6 +796,7 @@ std::vector<int64_t> q8_isas() {
 TORCH_LIBRARY_FRAGMENT(sluice_cpu, m) {
   m.def("q8_pack(Tensor sw, Tensor cw, Tensor wq, int layout) -> Tensor");
   m.def("q8_linear(Tensor x, Tensor packed, int format, int out_features, int isa=0) -> Tensor");
+  m.def("exact_linear(Tensor x, Tensor packed, int format, int out_features, int isa=0) -> Tensor");
   m.def("q8_quantize(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("q8_isas() -> int[]");
 }
@@ -598,6 +804,7 @@ TORCH_LIBRARY_FRAGMENT(sluice_cpu, m) {
 TORCH_LIBRARY_IMPL(sluice_cpu, CPU, m) {
   m.impl("q8_pack", &q8_pack);
   m.impl("q8_linear", &sluice_cpu::q8_linear);
+  m.impl("exact_linear", &sluice_cpu::exact_linear);
   m.impl("q8_quantize", &q8_quantize);
 }
 

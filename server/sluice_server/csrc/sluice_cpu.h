@@ -17,7 +17,7 @@ at::Tensor silu_mul(const at::Tensor& x);
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                             double scale, int64_t window);
-at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t out_features);
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t N, int64_t isa_code);
+at::Tensor exact_linear(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t N, int64_t isa_code);
 
 }  // namespace sluice_cpu

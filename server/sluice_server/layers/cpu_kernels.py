@@ -19,11 +19,10 @@ tests), not quietly turn into the slower fallback.
     rms_norm(x, residual, weight, eps) -> (normed, sum); rotary_(q, k, cos, sin);
     silu_mul(x): the small ops of a layer, one pass each (cpu_ops.cpp), used by
         layers.ops.CpuOps
-    quant_linear(x, blocks, format, out_features); dequantize(...): matmuls on
-        GGUF's Q4_1 / Q8_0 blocks expanded to float32 (cpu_quant_linear.cpp)
-    q8_pack(sw, cw, wq, layout); q8_linear(x, packed, layout, out_features, isa=0):
-        GGUF blocks of many types (unpacked by layers.gguf_blocks) with int8
-        activations (cpu_q8_linear.cpp); see layers.gguf_weights
+    q8_pack(sw, cw, wq, layout); q8_linear(x, packed, layout, out_features, isa=0);
+        exact_linear(...): matmuls on GGUF blocks of many types (unpacked by
+        layers.gguf_blocks), with int8 activations or expanded to float32
+        (cpu_q8_linear.cpp); see layers.gguf_weights
     torch.classes.sluice_cpu.LlamaDecoder: a decode step through every layer
         in one call (cpu_decoder.cpp), see layers.cpu_decoder
 """
@@ -45,14 +44,13 @@ NAME = "sluice_cpu_ops"  # the build's folder under TORCH_EXTENSIONS_DIR
 SOURCES = [
     CSRC / "cpu_attention.cpp",
     CSRC / "cpu_ops.cpp",
-    CSRC / "cpu_quant_linear.cpp",
     CSRC / "cpu_q8_linear.cpp",
     CSRC / "cpu_decoder.cpp",
 ]
 HEADERS = [CSRC / "sluice_cpu.h"]
 OPS = (
-    "paged_decode_attention", "rms_norm", "rotary_", "silu_mul", "quant_linear", "dequantize",
-    "q8_pack", "q8_linear", "q8_quantize", "q8_isas",
+    "paged_decode_attention", "rms_norm", "rotary_", "silu_mul",
+    "q8_pack", "q8_linear", "exact_linear", "q8_quantize", "q8_isas",
 )
 _lock = threading.Lock()
 # "ok": the outcome of the first load(); "reason": why the kernels are off;

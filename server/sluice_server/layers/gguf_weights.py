@@ -7,16 +7,16 @@ whole cost at small batches: Q4_1 blocks are 0.625 bytes per weight against
 float32's 4. So, for each linear layer whose GGUF tensors are in a block
 format the C++ kernels read, the blocks are attached too, and matmuls of at
 most `max_rows` rows run on them; larger ones (prefill, big decode batches)
-keep the packed dense weights (layers.linear). The int8 kernel reads Q4_0,
-Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K, mixed within a layer (every
-type of the Q4_K_M / Q5_K_M / Q6_K files; gguf_blocks.py); the exact one
-Q4_1 and Q8_0.
+keep the packed dense weights (layers.linear). The kernels read Q4_0, Q4_1,
+Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K, mixed within a layer (every type of
+the Q4_K_M / Q5_K_M / Q6_K files), unpacked once into records
+(gguf_blocks.py) that both arithmetics read.
 
 Two arithmetics on the blocks (`QuantizedWeight.int8`):
 
-- exact (`--dtype float32`): each block is expanded to float32 in registers
-  (`quant_linear`): the same numbers as the float32 weight, summed in another
-  order, so the results equal the float32 path's up to rounding.
+- exact (`--dtype float32`): each record is expanded to float32 in
+  registers (`exact_linear`): bit for bit the float32 weight, summed in
+  another order, so the results equal the float32 path's up to rounding.
 - int8 activations (`--dtype auto`): llama.cpp's arithmetic. Each activation
   row is quantized to int8 per block of 32 and multiplied with the blocks by
   integer dot products (`q8_linear`, AMX / AVX-512 VNNI / AVX-VNNI / AVX2):
@@ -53,19 +53,14 @@ from sluice_server.layers import cpu_kernels, gguf_blocks
 
 log = logging.getLogger(__name__)
 
-# Types the exact kernel (quant_linear) reads -> its format code. The int8
-# kernel reads every type of gguf_blocks.FORMATS.
-EXACT_FORMATS = {"Q4_1": 0, "Q8_0": 1}
-
 
 @dataclass
 class QuantizedWeight:
     """One layer's GGUF blocks in the form its kernel reads."""
 
-    # uint8. exact: the GGUF blocks, [N * K/32 * block_bytes], rows in the
-    # layer's order; int8: the blocks as records (gguf_blocks.pack).
+    # uint8: the blocks as records (gguf_blocks.pack), rows in the layer's order.
     data: torch.Tensor
-    # exact: EXACT_FORMATS' code; int8: the record layout (gguf_blocks.layout).
+    # The record layout (gguf_blocks.layout).
     format: int
     out_features: int
     int8: bool
@@ -76,9 +71,8 @@ class QuantizedWeight:
         return x.dim() == 2 and x.shape[0] <= self.max_rows and x.dtype == torch.float32 and x.device.type == "cpu"
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int8:
-            return torch.ops.sluice_cpu.q8_linear(x, self.data, self.format, self.out_features)
-        return torch.ops.sluice_cpu.quant_linear(x, self.data, self.format, self.out_features)
+        linear = torch.ops.sluice_cpu.q8_linear if self.int8 else torch.ops.sluice_cpu.exact_linear
+        return linear(x, self.data, self.format, self.out_features)
 
 
 def gguf_source(folder: Path) -> Path | None:
@@ -124,14 +118,13 @@ def attach_gguf_weights(model: nn.Module, folder: Path, world_size: int, *, int8
     from gguf import GGUFReader
 
     tensors = {t.name: t for t in GGUFReader(str(gguf)).tensors}
-    readable = gguf_blocks.FORMATS if int8 else EXACT_FORMATS.keys()
     attached = 0
     for module, names in _pieces(model):
-        if not all(name in tensors and tensors[name].tensor_type.name in readable for name in names):
+        if not all(name in tensors and tensors[name].tensor_type.name in gguf_blocks.FORMATS for name in names):
             continue
         types = {tensors[name].tensor_type.name for name in names}
         weight = module.weight.detach()
-        if weight.dtype != torch.float32 or weight.shape[1] % 32 or (not int8 and len(types) != 1):
+        if weight.dtype != torch.float32 or weight.shape[1] % 32:
             continue
         n, k = weight.shape
         if any(k % gguf_blocks.BLOCK_VALUES.get(t, 32) for t in types):
@@ -144,19 +137,13 @@ def attach_gguf_weights(model: nn.Module, folder: Path, world_size: int, *, int8
             order = _match_rows(records.expand(), weight[first : first + len(blocks)])
             if order is None:
                 break
-            pieces.append((blocks[order], records.take(order)))
+            pieces.append(records.take(order))
             first += len(blocks)
         if first != n or len(pieces) != len(names):
             log.warning("GGUF blocks of %s do not match the loaded weight; using float32 only", names[0])
             continue
-        if int8:
-            records = gguf_blocks.Records(*(np.concatenate(parts) for parts in zip(
-                *((r.sw, r.cw, r.wq) for _, r in pieces))))
-            fmt = gguf_blocks.layout(types, records)
-            data = gguf_blocks.pack(records, fmt)
-        else:
-            fmt = EXACT_FORMATS[types.pop()]
-            data = torch.from_numpy(np.concatenate([b for b, _ in pieces])).reshape(-1)
-        module.quantized = QuantizedWeight(data, fmt, n, int8, max_rows)
+        records = gguf_blocks.Records(*(np.concatenate(parts) for parts in zip(*((r.sw, r.cw, r.wq) for r in pieces))))
+        fmt = gguf_blocks.layout(types, records)
+        module.quantized = QuantizedWeight(gguf_blocks.pack(records, fmt), fmt, n, int8, max_rows)
         attached += 1
     return attached
