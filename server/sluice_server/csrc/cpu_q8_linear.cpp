@@ -56,6 +56,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -594,68 +595,47 @@ __attribute__((target("avx2,fma,f16c"))) void fgroup_avx2(const FArgs& a, int64_
 }
 #endif
 
-// Rows per register tile of each kernel.
-constexpr int64_t TILE_AVX512 = 4;
-constexpr int64_t TILE_AVX2 = 2;
+// Runs kernel(std::integral_constant<int, R>, r0) over M rows: tiles of T
+// rows, then one of the R < T rows left (each R its own instantiation).
+template <int R, typename Kernel>
+void tile_remainder(int64_t left, int64_t r0, const Kernel& kernel) {
+  if constexpr (R > 0) {
+    if (left == R) return kernel(std::integral_constant<int, R>{}, r0);
+    tile_remainder<R - 1>(left, r0, kernel);
+  }
+}
+
+template <int T, typename Kernel>
+void in_tiles(int64_t M, const Kernel& kernel) {
+  int64_t r0 = 0;
+  for (; r0 + T <= M; r0 += T) kernel(std::integral_constant<int, T>{}, r0);
+  tile_remainder<T - 1>(M - r0, r0, kernel);
+}
+
+// Rows per register tile of each kernel: the int8 ones, then the float ones.
+constexpr int TILE_AVX512 = 4, TILE_AVX2 = 2;
+constexpr int FTILE_AVX512 = 8, FTILE_AVX2 = 4;
 
 template <int64_t F>
 void run_group(Isa isa, const Args& a, int64_t g, int64_t M) {
 #ifdef SLUICE_X86
-  if (isa == ISA_AVX512_VNNI) {
-    int64_t r0 = 0;
-    for (; r0 + TILE_AVX512 <= M; r0 += TILE_AVX512) group_avx512<TILE_AVX512, F>(a, g, r0);
-    switch (M - r0) {
-      case 3: group_avx512<3, F>(a, g, r0); break;
-      case 2: group_avx512<2, F>(a, g, r0); break;
-      case 1: group_avx512<1, F>(a, g, r0); break;
-      default: break;
-    }
-    return;
-  }
-  if (isa == ISA_AVX_VNNI || isa == ISA_AVX2) {
-    const bool vnni = isa == ISA_AVX_VNNI;
-    int64_t r0 = 0;
-    for (; r0 + TILE_AVX2 <= M; r0 += TILE_AVX2)
-      vnni ? group_avx2<TILE_AVX2, F, true>(a, g, r0) : group_avx2<TILE_AVX2, F, false>(a, g, r0);
-    if (r0 < M) vnni ? group_avx2<1, F, true>(a, g, r0) : group_avx2<1, F, false>(a, g, r0);
-    return;
-  }
+  if (isa == ISA_AVX512_VNNI)
+    return in_tiles<TILE_AVX512>(M, [&](auto R, int64_t r0) { group_avx512<decltype(R)::value, F>(a, g, r0); });
+  if (isa == ISA_AVX_VNNI)
+    return in_tiles<TILE_AVX2>(M, [&](auto R, int64_t r0) { group_avx2<decltype(R)::value, F, true>(a, g, r0); });
+  if (isa == ISA_AVX2)
+    return in_tiles<TILE_AVX2>(M, [&](auto R, int64_t r0) { group_avx2<decltype(R)::value, F, false>(a, g, r0); });
 #endif
   for (int64_t r0 = 0; r0 < M; r0 += 8) group_scalar(a, g, r0, std::min<int64_t>(8, M - r0));
 }
 
-constexpr int64_t FTILE_AVX512 = 8;
-constexpr int64_t FTILE_AVX2 = 4;
-
 template <int64_t F>
 void run_fgroup(Isa isa, const FArgs& a, int64_t g, int64_t M) {
 #ifdef SLUICE_X86
-  if (isa == ISA_AVX512_VNNI) {
-    int64_t r0 = 0;
-    for (; r0 + FTILE_AVX512 <= M; r0 += FTILE_AVX512) fgroup_avx512<FTILE_AVX512, F>(a, g, r0);
-    switch (M - r0) {
-      case 7: fgroup_avx512<7, F>(a, g, r0); break;
-      case 6: fgroup_avx512<6, F>(a, g, r0); break;
-      case 5: fgroup_avx512<5, F>(a, g, r0); break;
-      case 4: fgroup_avx512<4, F>(a, g, r0); break;
-      case 3: fgroup_avx512<3, F>(a, g, r0); break;
-      case 2: fgroup_avx512<2, F>(a, g, r0); break;
-      case 1: fgroup_avx512<1, F>(a, g, r0); break;
-      default: break;
-    }
-    return;
-  }
-  if (isa == ISA_AVX_VNNI || isa == ISA_AVX2) {
-    int64_t r0 = 0;
-    for (; r0 + FTILE_AVX2 <= M; r0 += FTILE_AVX2) fgroup_avx2<FTILE_AVX2, F>(a, g, r0);
-    switch (M - r0) {
-      case 3: fgroup_avx2<3, F>(a, g, r0); break;
-      case 2: fgroup_avx2<2, F>(a, g, r0); break;
-      case 1: fgroup_avx2<1, F>(a, g, r0); break;
-      default: break;
-    }
-    return;
-  }
+  if (isa == ISA_AVX512_VNNI)
+    return in_tiles<FTILE_AVX512>(M, [&](auto R, int64_t r0) { fgroup_avx512<decltype(R)::value, F>(a, g, r0); });
+  if (isa == ISA_AVX_VNNI || isa == ISA_AVX2)
+    return in_tiles<FTILE_AVX2>(M, [&](auto R, int64_t r0) { fgroup_avx2<decltype(R)::value, F>(a, g, r0); });
 #endif
   for (int64_t r0 = 0; r0 < M; r0 += 8) fgroup_scalar(a, g, r0, std::min<int64_t>(8, M - r0));
 }
