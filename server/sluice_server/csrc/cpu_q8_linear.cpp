@@ -684,6 +684,19 @@ Isa check_linear(const at::Tensor& x, const at::Tensor& packed, int64_t format, 
   return isa;
 }
 
+// Calls fn(std::integral_constant<int64_t, layout>): one instantiation of a
+// kernel per record layout.
+template <typename Fn>
+void with_layout(int64_t format, const Fn& fn) {
+  switch (format) {
+    case U4_F16: return fn(std::integral_constant<int64_t, U4_F16>{});
+    case U8_F16: return fn(std::integral_constant<int64_t, U8_F16>{});
+    case U4_F32: return fn(std::integral_constant<int64_t, U4_F32>{});
+    case U8_F32: return fn(std::integral_constant<int64_t, U8_F32>{});
+    default: return fn(std::integral_constant<int64_t, U8_HALVES>{});
+  }
+}
+
 // Runs fn(group, first row, rows) over work items (group, row tile): few rows
 // split over outputs only; many rows also over row tiles, so each item's
 // weights are read once per tile.
@@ -719,13 +732,7 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t form
     sub.sx_lo = a.sx_lo + r * nb;
     sub.sx_hi = a.sx_hi + r * nb;
     sub.y = a.y + r * N;
-    switch (format) {
-      case U4_F16: run_group<U4_F16>(isa, sub, g, m); break;
-      case U8_F16: run_group<U8_F16>(isa, sub, g, m); break;
-      case U4_F32: run_group<U4_F32>(isa, sub, g, m); break;
-      case U8_F32: run_group<U8_F32>(isa, sub, g, m); break;
-      default: run_group<U8_HALVES>(isa, sub, g, m); break;
-    }
+    with_layout(format, [&](auto F) { run_group<decltype(F)::value>(isa, sub, g, m); });
   });
   return y;
 }
@@ -740,13 +747,7 @@ at::Tensor exact_linear(const at::Tensor& x, const at::Tensor& packed, int64_t f
     FArgs sub = a;
     sub.x = a.x + r * a.x_stride;
     sub.y = a.y + r * N;
-    switch (format) {
-      case U4_F16: run_fgroup<U4_F16>(isa, sub, g, m); break;
-      case U8_F16: run_fgroup<U8_F16>(isa, sub, g, m); break;
-      case U4_F32: run_fgroup<U4_F32>(isa, sub, g, m); break;
-      case U8_F32: run_fgroup<U8_F32>(isa, sub, g, m); break;
-      default: run_fgroup<U8_HALVES>(isa, sub, g, m); break;
-    }
+    with_layout(format, [&](auto F) { run_fgroup<decltype(F)::value>(isa, sub, g, m); });
   });
   return y;
 }
