@@ -17,6 +17,10 @@ A step can be no faster than max(FLOPs / dense rate, bytes / bandwidth).
 
     python benchmarks/step_bench.py                     # bundled SmolLM2, CPU
     python benchmarks/step_bench.py --paths auto --batch-sizes 1,16 --threads 2
+    python benchmarks/step_bench.py --paths auto --batch-sizes 32,64 --block-rows 16,64
+
+--block-rows compares where the blocks stop paying (layers/cpu_matmuls.py's
+row limits): the same steps with blocks up to each limit, taking turns.
 """
 
 from __future__ import annotations
@@ -95,7 +99,10 @@ def weight_bytes(runner: ModelRunner, rows: int) -> int:
     return total
 
 
-def run(shard: Shard, batch: int, prompt_len: int, steps: int, max_prefill: int) -> dict[str, float]:
+def prefill(shard: Shard, batch: int, prompt_len: int, steps: int, max_prefill: int) -> shard_pb2.StepRequest:
+    """Prefills `batch` requests of `prompt_len` random tokens, with cache
+    blocks for `steps` decode steps after one untimed one; returns the
+    decode step request."""
     runner = shard.runner
     shard.clear()
     blocks_each = -(-(prompt_len + steps + 1) // runner.block_size)
@@ -121,6 +128,11 @@ def run(shard: Shard, batch: int, prompt_len: int, steps: int, max_prefill: int)
         shard.step(step)
     decode = shard_pb2.StepRequest(scheduled=[shard_pb2.ScheduledRequest(id=i, num_new_tokens=1) for i in ids])
     shard.step(decode)  # one untimed decode step
+    return decode
+
+
+def run(shard: Shard, batch: int, prompt_len: int, steps: int, max_prefill: int) -> dict[str, float]:
+    decode = prefill(shard, batch, prompt_len, steps, max_prefill)
     times, fwd, prep, samp = [], [], [], []
     for _ in range(steps):
         t = time.perf_counter()
@@ -140,6 +152,60 @@ def run(shard: Shard, batch: int, prompt_len: int, steps: int, max_prefill: int)
     }
 
 
+def set_block_rows(runner: ModelRunner, rows: int) -> None:
+    """Matmuls (and C++ decode steps) of at most `rows` rows run on the GGUF
+    blocks from now on, larger ones on the dense weights: SLUICE_GGUF_MAX_ROWS
+    without reloading the model."""
+    for module in runner.model.modules():
+        if getattr(module, "quantized", None) is not None:
+            module.quantized.max_rows = rows
+    if runner.cpu_decoder is not None:
+        runner.cpu_decoder.max_rows = rows
+
+
+def compare_block_rows(shard: Shard, batch: int, prompt_len: int, steps: int, max_prefill: int,
+                       limits: list[int]) -> dict[int, float]:
+    """Median decode step ms of `batch` sequences under each block-row limit,
+    the limits taking turns step by step (one untimed step after each
+    switch), so a host whose speed drifts during the run slows them alike."""
+    decode = prefill(shard, batch, prompt_len, 2 * steps * len(limits), max_prefill)
+    times: dict[int, list[float]] = {n: [] for n in limits}
+    for _ in range(steps):
+        for n in limits:
+            set_block_rows(shard.runner, n)
+            shard.step(decode)
+            t = time.perf_counter()
+            shard.step(decode)
+            times[n].append(time.perf_counter() - t)
+    return {n: statistics.median(v) * 1e3 for n, v in times.items()}
+
+
+def print_block_rows(shard: Shard, path: str, args) -> None:
+    runner = shard.runner
+    if not runner.cpu_matmuls or runner.cpu_matmuls.block_rows <= 0:
+        print(f"{path:<9} runs no GGUF blocks; nothing to compare")
+        return
+    limits = [int(x) for x in args.block_rows.split(",")]
+    for b in (int(x) for x in args.batch_sizes.split(",")):
+        r = compare_block_rows(shard, b, args.prompt_len, args.steps, args.max_prefill, limits)
+        print(f"{path:<9} {b:>5} " + "  ".join(f"blocks <= {n} rows: {ms:.1f} ms" for n, ms in r.items()), flush=True)
+
+
+def print_rows(shard: Shard, path: str, args, dense: dict, bandwidth: float) -> None:
+    runner = shard.runner
+    per_token = flops_per_token(runner.model.config)
+    big = runner.cpu_matmuls.dense_dtype if runner.cpu_matmuls and runner.cpu_matmuls.dense_dtype else runner.dtype
+    for b in (int(x) for x in args.batch_sizes.split(",")):
+        r = run(shard, b, args.prompt_len, args.steps, args.max_prefill)
+        rate = per_token * b / (r["step_ms"] / 1e3) / 1e9
+        rows_dtype = runner.dtype if (runner.cpu_matmuls and b <= runner.cpu_matmuls.block_rows) else big
+        reference = dense[torch.bfloat16 if rows_dtype == torch.bfloat16 else torch.float32]
+        gbs = weight_bytes(runner, b) / (r["step_ms"] / 1e3) / 1e9
+        print(f"{path:<9} {b:>5} {r['step_ms']:>8.1f} {r['tokens_per_s']:>7.1f} {r['prepare_ms']:>7.2f} "
+              f"{r['forward_ms']:>7.1f} {r['sampling_ms']:>7.2f} {rate:>8.1f} {rate / reference:>7.0%} "
+              f"{gbs:>6.1f} {gbs / bandwidth:>5.0%}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model id/folder/.gguf (default: bundled SmolLM2)")
@@ -149,6 +215,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--max-prefill", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--block-rows", default=None,
+                        help="e.g. 16,64: instead of the table, each path's step time with GGUF blocks for at "
+                             "most that many rows (dense above), the limits alternating step by step")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -161,24 +230,19 @@ def main() -> None:
           f"float32 {dense[torch.float32]:.0f} GFLOP/s, bfloat16 {dense[torch.bfloat16]:.0f} GFLOP/s")
     header = (f"{'path':<9} {'batch':>5} {'step ms':>8} {'tok/s':>7} {'prep ms':>7} {'fwd ms':>7} {'samp ms':>7}"
               f" {'GFLOP/s':>8} {'of dense':>8} {'GB/s':>6} {'of bw':>6}")
-    print(header)
-    print("-" * len(header))
+    if not args.block_rows:
+        print(header)
+        print("-" * len(header))
     for path in args.paths.split(","):
         runner = ModelRunner(folder, dtype=path, device="cpu")
         shard = Shard(runner, urls=[])
         gc.collect()
         gc.freeze()  # as the server does after loading
         per_token = flops_per_token(runner.model.config)
-        big = runner.cpu_matmuls.dense_dtype if runner.cpu_matmuls and runner.cpu_matmuls.dense_dtype else runner.dtype
-        for b in (int(x) for x in args.batch_sizes.split(",")):
-            r = run(shard, b, args.prompt_len, args.steps, args.max_prefill)
-            rate = per_token * b / (r["step_ms"] / 1e3) / 1e9
-            rows_dtype = runner.dtype if (runner.cpu_matmuls and b <= runner.cpu_matmuls.block_rows) else big
-            reference = dense[torch.bfloat16 if rows_dtype == torch.bfloat16 else torch.float32]
-            gbs = weight_bytes(runner, b) / (r["step_ms"] / 1e3) / 1e9
-            print(f"{path:<9} {b:>5} {r['step_ms']:>8.1f} {r['tokens_per_s']:>7.1f} {r['prepare_ms']:>7.2f} "
-                  f"{r['forward_ms']:>7.1f} {r['sampling_ms']:>7.2f} {rate:>8.1f} {rate / reference:>7.0%} "
-                  f"{gbs:>6.1f} {gbs / bandwidth:>5.0%}", flush=True)
+        if args.block_rows:
+            print_block_rows(shard, path, args)
+        else:
+            print_rows(shard, path, args, dense, bandwidth)
         del shard, runner
         gc.unfreeze()
         gc.collect()

@@ -76,8 +76,9 @@ def test_answers_sensibly(fast):
 
 
 def test_decode_rows_do_not_depend_on_the_other_rows(tmp_path):
-    """Steps of at most 16 rows run the int8 kernels, which quantize each row
-    on its own and sum its blocks in a fixed order, and decode attention
+    """Steps of few rows (layers/cpu_matmuls.py: up to 64 with AVX-512 VNNI)
+    run the int8 kernels, which quantize each row on its own and sum its
+    blocks in a fixed order, and decode attention
     splits keys at fixed positions: a sequence decodes the same tokens alone
     and while seven other requests prefill and decode in its steps. (Larger
     steps run oneDNN's dense matmuls, whose rows can change in the last bits

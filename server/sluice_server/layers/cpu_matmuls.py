@@ -34,10 +34,13 @@ import torch
 NATIVE_BF16_FLAGS = {"amx_bf16", "avx512_bf16"}
 
 # Rows up to which the blocks beat the dense weights (benchmarks/step_bench.py
-# --paths): int8 with AVX-512 VNNI / AMX against AMX bf16 on a Sapphire Rapids
-# host; with AVX2 only, against float32; the exact expansion against float32
-# on an AVX2 EPYC.
-INT8_ROWS_AVX512 = 16
+# --paths, whole decode steps of the bundled SmolLM2): int8 with AVX-512 VNNI
+# against AMX bf16 on a Sapphire Rapids host (blocks 150 / 227 / 388 ms at
+# 32 / 64 / 128 rows, dense 238 / 272 / 390: a step that small reads its
+# weights more than it multiplies, and the blocks are 3.5x smaller than bf16);
+# with AVX2 only, against float32; the exact expansion against float32 on an
+# AVX2 EPYC.
+INT8_ROWS_AVX512 = 64
 INT8_ROWS_AVX2 = 8
 EXACT_ROWS = 16
 
