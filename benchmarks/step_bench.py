@@ -191,9 +191,8 @@ def print_block_rows(shard: Shard, path: str, args) -> None:
         print(f"{path:<9} {b:>5} " + "  ".join(f"blocks <= {n} rows: {ms:.1f} ms" for n, ms in r.items()), flush=True)
 
 
-def print_rows(shard: Shard, path: str, args, dense: dict, bandwidth: float) -> None:
+def print_rows(shard: Shard, path: str, args, per_token: float, dense: dict, bandwidth: float) -> None:
     runner = shard.runner
-    per_token = flops_per_token(runner.model.config)
     big = runner.cpu_matmuls.dense_dtype if runner.cpu_matmuls and runner.cpu_matmuls.dense_dtype else runner.dtype
     for b in (int(x) for x in args.batch_sizes.split(",")):
         r = run(shard, b, args.prompt_len, args.steps, args.max_prefill)
@@ -228,9 +227,9 @@ def main() -> None:
           f"{args.steps} timed decode steps")
     print(f"host limits: memory bandwidth {bandwidth:.1f} GB/s (copy); dense matmul "
           f"float32 {dense[torch.float32]:.0f} GFLOP/s, bfloat16 {dense[torch.bfloat16]:.0f} GFLOP/s")
-    header = (f"{'path':<9} {'batch':>5} {'step ms':>8} {'tok/s':>7} {'prep ms':>7} {'fwd ms':>7} {'samp ms':>7}"
-              f" {'GFLOP/s':>8} {'of dense':>8} {'GB/s':>6} {'of bw':>6}")
     if not args.block_rows:
+        header = (f"{'path':<9} {'batch':>5} {'step ms':>8} {'tok/s':>7} {'prep ms':>7} {'fwd ms':>7} {'samp ms':>7}"
+                  f" {'GFLOP/s':>8} {'of dense':>8} {'GB/s':>6} {'of bw':>6}")
         print(header)
         print("-" * len(header))
     for path in args.paths.split(","):
@@ -242,7 +241,7 @@ def main() -> None:
         if args.block_rows:
             print_block_rows(shard, path, args)
         else:
-            print_rows(shard, path, args, dense, bandwidth)
+            print_rows(shard, path, args, per_token, dense, bandwidth)
         del shard, runner
         gc.unfreeze()
         gc.collect()

@@ -33,11 +33,12 @@ import torch
 # float32's 70.
 NATIVE_BF16_FLAGS = {"amx_bf16", "avx512_bf16"}
 
-# Rows up to which the blocks beat the dense weights (benchmarks/step_bench.py
-# --paths, whole decode steps of the bundled SmolLM2): int8 with AVX-512 VNNI
-# against AMX bf16 on a Sapphire Rapids host (blocks 150 / 227 / 388 ms at
-# 32 / 64 / 128 rows, dense 238 / 272 / 390: a step that small reads its
-# weights more than it multiplies, and the blocks are 3.5x smaller than bf16);
+# Rows up to which the blocks beat the dense weights (whole decode steps of
+# the bundled SmolLM2; benchmarks/step_bench.py --block-rows compares limits):
+# int8 with AVX-512 VNNI against AMX bf16 on a Sapphire Rapids host (32-row
+# step 138 ms on the blocks against 247 dense, 64 rows 185 / 194, equal at 128,
+# dense ahead above: a step that small reads its weights more than it
+# multiplies, and the blocks are 3.5x smaller than bf16);
 # with AVX2 only, against float32; the exact expansion against float32 on an
 # AVX2 EPYC.
 INT8_ROWS_AVX512 = 64
