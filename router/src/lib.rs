@@ -54,3 +54,19 @@ pub mod config;
 pub mod metrics;
 pub mod telemetry;
 pub mod testing;
+
+#[cfg(test)]
+mod tests {
+    /// The scheduler checks its invariants after every step only where debug
+    /// assertions are on (`Scheduler::check_invariants`, the allocator's and
+    /// the radix tree's `debug_assert!`s). The test command builds in the
+    /// release profile with them turned on for this crate (scripts/test.sh);
+    /// this fails if a change there lets the suite run without them.
+    #[test]
+    fn invariant_checks_are_compiled_in() {
+        assert!(
+            cfg!(debug_assertions),
+            "debug assertions are off: the scheduler's invariant checks are not running"
+        );
+    }
+}
