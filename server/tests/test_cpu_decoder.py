@@ -121,5 +121,14 @@ def test_draft_verification_runs_on_the_cpu_decoder(runner, request):
         assert torch.equal(driver.computed(s.id, len(p) - 1, len(p) + len(d)), g)
 
     want, want_cache = verify_step(runner, False, prompts, drafts)
+    # float32: the same exact arithmetic but for attention's order of sums.
+    # auto: the multi-token Python step attends with SDPA (another order of
+    # sums), and quantizing activations to int8 turns those last-bit
+    # differences into whole quantization steps, which grow through 30
+    # layers. On the third prompt (two tokens, then 800 and four 7s) each
+    # path is 10-13% from float32's logits and 5-8% from the other (AVX-512
+    # hosts with and without AMX), with the same top token at every row.
+    # The decoder's exactness is checked above.
+    bound = 1e-4 if request.node.callspec.params["runner"] == "float32" else 0.15
     for g, w in zip(got, want):
-        assert ((g - w).norm() / w.norm()).item() < (1e-4 if request.node.callspec.params["runner"] == "float32" else 0.05)
+        assert ((g - w).norm() / w.norm()).item() < bound
