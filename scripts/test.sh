@@ -26,7 +26,7 @@ export PATH="$HOME/.cargo/bin:$PATH"
 # again: 13-20 minutes on a fresh 2-core machine). Only the two workspace
 # crates are rebuilt, with debug assertions and overflow checks on, as in a
 # debug build: the router's invariant checks (debug_assert!) still run.
-echo "== cargo test"
+echo "== cargo test (${SECONDS}s in)"
 checks=()
 for crate in sluice-router sluice-launcher; do
   checks+=(--config "profile.release.package.$crate.debug-assertions=true"
@@ -35,13 +35,14 @@ done
 cargo test --workspace --release --quiet "${checks[@]}"
 
 # No module may import one that imports it back (router, launcher, shard).
-echo "== import cycles"
+echo "== import cycles (${SECONDS}s in)"
 python scripts/check_import_cycles.py
 
 # One pytest process per folder: each folder has its own conftest.py, and
 # tests import helpers from it by that module name. -rs prints every skip
 # with its reason.
 for suite in server/tests server/kernel_tests server/bench_tests deploy/tests integration-tests; do
-  echo "== pytest $suite"
+  echo "== pytest $suite (${SECONDS}s in)"
   python -m pytest -q -rs -p no:cacheprovider "$suite"
 done
+echo "== all tests passed in ${SECONDS}s"
