@@ -13,12 +13,13 @@ with float32's at the same position.
 Paths (rows), as `--dtype` selects them (layers/cpu_matmuls.py):
 
     float32          the reference: exact GGUF blocks / dense float32
-    auto, decode     int8 activations on the GGUF blocks: every position
-                     computed as a one-token decode step (the path decode
-                     steps of <= 16 sequences take)
+    auto, decode     int8 activations on the GGUF blocks and a bfloat16
+                     KV cache: every position computed as a one-token decode
+                     step (the path decode steps of <= 64 sequences take
+                     with VNNI, <= 8 with AVX2 only)
     auto, prefill    the same --dtype auto model scoring the text in prefill
                      chunks: dense bfloat16 where the CPU has native bf16
-                     (else float32)
+                     (else float32), the bfloat16 KV cache
     bfloat16         every weight and activation in bf16 (dense)
 
 The issue's bound for a fast path: top-1 agreement >= 99% and perplexity
@@ -26,12 +27,14 @@ within 1% of float32.
 
     python benchmarks/quality.py                  # bundled SmolLM2
     python benchmarks/quality.py --model DIR --tokens 512
+    python benchmarks/quality.py --auto-kv-cache float32  # auto with a float32 cache
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -40,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 
 from sluice_server.batch import RequestState, Work  # noqa: E402
-from sluice_server.model_runner import ModelRunner  # noqa: E402
+from sluice_server.model_runner import KV_DTYPE_ENV, ModelRunner  # noqa: E402
 from sluice_server.pb import shard_pb2  # noqa: E402
 
 TEXT = Path(__file__).with_name("quality_text.txt")
@@ -91,7 +94,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=512, help="tokens of the text scored")
     parser.add_argument("--chunk", type=int, default=128, help="prefill chunk for the prefill rows")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--auto-kv-cache", choices=["float32", "bfloat16"], default=None,
+                        help="the auto rows' KV cache dtype (default: the one auto picks)")
     args = parser.parse_args()
+    # Only the auto rows take another cache; float32 and bfloat16 keep theirs.
+    os.environ.pop(KV_DTYPE_ENV, None)
     torch.set_num_threads(args.threads)
     folder = resolve(args.model)
     tokens = tokenize(folder, TEXT.read_text(), args.tokens)
@@ -101,8 +108,12 @@ def main() -> None:
     reference = score(reference_runner, tokens, args.chunk)
     del reference_runner
     rows.append(("float32", reference))
+    if args.auto_kv_cache:
+        os.environ[KV_DTYPE_ENV] = args.auto_kv_cache
     auto = ModelRunner(folder, dtype="auto")
+    os.environ.pop(KV_DTYPE_ENV, None)
     plan = auto.cpu_matmuls.describe() if auto.cpu_matmuls else "dense"
+    plan += f"; KV cache {str(auto.kv_dtype).removeprefix('torch.')}"
     if auto.cpu_matmuls and auto.cpu_matmuls.block_rows > 0:
         rows.append(("auto, decode", score(auto, tokens, 1)))
     rows.append(("auto, prefill", score(auto, tokens, args.chunk)))

@@ -59,10 +59,15 @@ def decode_meta(seq_lens: list[int], block_size: int, num_blocks: int, seed: int
 )
 @pytest.mark.parametrize("seq_lens", [[1], [5, 17, 16, 33], [300, 2, 129], [1000]])
 @pytest.mark.parametrize("window", [None, 1, 16, 100])  # sliding windows: from a block boundary and mid-block
-def test_paged_decode_attention_matches_sdpa(hq, hkv, dim, seq_lens, window):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_attention_matches_sdpa(hq, hkv, dim, seq_lens, window, cache_dtype):
+    """Against gather + SDPA in float32. A bfloat16 cache holds the same
+    values for both (the reference widens what it gathers, the kernel each
+    row it reads), so the tolerance is float32's either way."""
     block_size = 16
     meta = decode_meta(seq_lens, block_size, num_blocks=64, seed=len(seq_lens))
-    k_cache, v_cache = randn(64, block_size, hkv, dim, seed=1), randn(64, block_size, hkv, dim, seed=2)
+    k_cache = randn(64, block_size, hkv, dim, seed=1).to(cache_dtype)
+    v_cache = randn(64, block_size, hkv, dim, seed=2).to(cache_dtype)
     # q as a strided view of a fused qkv output, the way the model passes it.
     qkv = randn(len(seq_lens), (hq + 2 * hkv) * dim, seed=3)
     q = qkv[:, : hq * dim].view(len(seq_lens), hq, dim)
@@ -78,13 +83,15 @@ def test_paged_decode_attention_matches_sdpa(hq, hkv, dim, seq_lens, window):
     torch.testing.assert_close(outs[1], outs[0], atol=2e-6, rtol=1e-5)
 
 
-def test_paged_decode_attention_does_not_depend_on_the_batch():
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_attention_does_not_depend_on_the_batch(cache_dtype):
     """A sequence's result is bitwise the same alone and among others (its
     keys are split into parts by its own length only)."""
     hq, hkv, dim, block_size = 9, 3, 64, 16
     seq_lens = [700, 3, 130, 257]
     meta = decode_meta(seq_lens, block_size, num_blocks=128, seed=7)
-    k_cache, v_cache = randn(128, block_size, hkv, dim, seed=1), randn(128, block_size, hkv, dim, seed=2)
+    k_cache = randn(128, block_size, hkv, dim, seed=1).to(cache_dtype)
+    v_cache = randn(128, block_size, hkv, dim, seed=2).to(cache_dtype)
     q = randn(len(seq_lens), hq, dim, seed=3)
     out = torch.empty_like(q)
     op = torch.ops.sluice_cpu.paged_decode_attention
@@ -105,8 +112,12 @@ def test_paged_decode_attention_rejects_bad_inputs():
         op(out, q, cache, cache, torch.tensor([[0, 9]]), lens, 0.125)
     with pytest.raises(RuntimeError, match="seq_len out of the block table's range"):
         op(out, q, cache, cache, ok_tables, torch.tensor([40]), 0.125)
-    with pytest.raises(RuntimeError, match="float32 only"):
+    with pytest.raises(RuntimeError, match="q and out must be float32"):
         op(out.double(), q.double(), cache, cache, ok_tables, lens, 0.125)
+    with pytest.raises(RuntimeError, match="caches must both be float32 or both bfloat16"):
+        op(out, q, cache, cache.bfloat16(), ok_tables, lens, 0.125)
+    with pytest.raises(RuntimeError, match="caches must both be float32 or both bfloat16"):
+        op(out, q, cache.half(), cache.half(), ok_tables, lens, 0.125)
 
 
 @pytest.mark.parametrize("with_residual", [False, True])

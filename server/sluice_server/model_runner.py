@@ -64,6 +64,30 @@ def choose_dtype(requested: str, device: torch.device, config: dict, flags: set[
     return DTYPES[stored] if stored in ("bfloat16", "float16") else torch.bfloat16
 
 
+KV_DTYPE_ENV = "SLUICE_KV_CACHE_DTYPE"
+
+
+def choose_kv_dtype(dtype: torch.dtype, plan: CpuMatmuls | None, env: dict | None = None) -> torch.dtype:
+    """The KV cache's element type: the model's dtype, except on the CPU fast
+    path (`--dtype auto` with int8 activations on GGUF blocks, a float32
+    model), which stores K and V as bfloat16. Decode attention reads the
+    whole context every step, so its time is mostly bytes: bf16 halves them
+    (and doubles the tokens a cache budget holds), and the C++ kernel widens
+    each element back to float32 exactly as it reads it. Like the int8
+    activations, the rounding is measured against float32 by
+    benchmarks/quality.py. SLUICE_KV_CACHE_DTYPE (float32 or bfloat16)
+    overrides the choice on CPU, to compare the two."""
+    env = os.environ if env is None else env
+    override = env.get(KV_DTYPE_ENV)
+    if plan is not None and override:
+        if override not in ("float32", "bfloat16"):
+            raise ValueError(f"{KV_DTYPE_ENV}={override!r} is not float32 or bfloat16")
+        return DTYPES[override]
+    if plan is not None and plan.int8 and plan.block_rows > 0 and dtype == torch.float32:
+        return torch.bfloat16
+    return dtype
+
+
 def eos_token_ids(folder: Path, config: dict) -> list[int]:
     """EOS ids from generation_config.json, else config.json (int or list)."""
     for source in (folder / "generation_config.json", None):
@@ -181,6 +205,7 @@ class ModelRunner:
             self.cpu_matmuls = self._prepare_cpu_weights(dtype)
             if self.cpu_matmuls.block_rows > 0:
                 self.cpu_decoder = build_cpu_decoder(self.model)
+        self.kv_dtype = choose_kv_dtype(self.dtype, self.cpu_matmuls)
         cfg = self.model.config
         self.model_type: str = cfg.model_type
         self.vocab_size: int = cfg.vocab_size
@@ -208,13 +233,18 @@ class ModelRunner:
     # -- KV cache -----------------------------------------------------------
 
     def bytes_per_block(self) -> int:
-        return KVCache.bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+        return KVCache.bytes_per_block(
+            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.kv_dtype
+        )
+
+    def new_kv_cache(self, num_blocks: int) -> KVCache:
+        return KVCache(
+            self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim, self.kv_dtype, self.device
+        )
 
     def allocate_kv_cache(self, num_blocks: int) -> KVCache:
         self.kv_cache = None  # free the old one first
-        self.kv_cache = KVCache(
-            self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device
-        )
+        self.kv_cache = self.new_kv_cache(num_blocks)
         return self.kv_cache
 
     # -- forward ------------------------------------------------------------
@@ -381,7 +411,10 @@ class ModelRunner:
                 f"max_total_tokens={max_total_tokens} needs {needed}"
             )
         cache = self.allocate_kv_cache(num_blocks)
-        log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size, cache.nbytes / 2**20)
+        log.info(
+            "KV cache: %d blocks of %d tokens, %s (%.1f MiB)",
+            num_blocks, self.block_size, str(self.kv_dtype).removeprefix("torch."), cache.nbytes / 2**20,
+        )
         return WarmupResult(num_blocks=num_blocks, kv_cache_bytes=cache.nbytes)
 
     def forward_probe(self) -> None:
@@ -390,8 +423,7 @@ class ModelRunner:
             id=0, token_ids=[0], num_prompt_tokens=1, num_computed_tokens=0,
             block_ids=[0], params=shard_pb2.SamplingParams(),
         )
-        scratch = KVCache(self.num_layers, 1, self.block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device)
-        logits = self.execute(self.build_batch([Work(state, 0, 1, [0])]), scratch)
+        logits = self.execute(self.build_batch([Work(state, 0, 1, [0])]), self.new_kv_cache(1))
         if not torch.isfinite(logits).all():
             raise RuntimeError("health probe: the model produced non-finite logits")
 
@@ -409,7 +441,4 @@ class ModelRunner:
             )
             work.append(Work(state, 0, n, blocks))
             remaining -= n
-        scratch = KVCache(
-            self.num_layers, next_block, self.block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device
-        )
-        self.execute(self.build_batch(work), scratch)
+        self.execute(self.build_batch(work), self.new_kv_cache(next_block))

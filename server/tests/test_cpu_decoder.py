@@ -1,8 +1,9 @@
 """The C++ decode path (layers.cpu_decoder) against the model's own forward,
 on the bundled SmolLM2 (the model with GGUF blocks): the same kernels in the
 same order, so logits and the KV written must be bitwise equal, with int8
-activations (--dtype auto) and with the exact block expansion (float32), for
-decode steps of one and of several sequences."""
+activations and a bfloat16 KV cache (--dtype auto) and with the exact block
+expansion and a float32 cache (float32), for decode steps of one and of
+several sequences."""
 
 from __future__ import annotations
 
@@ -48,6 +49,9 @@ def test_the_cpu_decoder_equals_the_python_forward(runner, batch):
     want, want_cache = decode_twice(runner, False, prompts)
     want_kv = [(k.clone(), v.clone()) for k, v in want_cache.layers]
     got, got_cache = decode_twice(runner, True, prompts)
+    # --dtype auto's cache is bfloat16 (the decoder rounds what it stores as
+    # write_kv does), float32's is float32 (model_runner.choose_kv_dtype).
+    assert got_cache.layers[0][0].dtype == (torch.bfloat16 if runner.cpu_matmuls.int8 else torch.float32)
     for g, w in zip(got, want):
         assert torch.equal(g, w)
     for (k, v), (wk, wv) in zip(got_cache.layers, want_kv):

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from sluice_server.layers import cpu_kernels
-from sluice_server.model_runner import ModelRunner, choose_dtype
+from sluice_server.layers.cpu_matmuls import CpuMatmuls
+from sluice_server.model_runner import ModelRunner, choose_dtype, choose_kv_dtype
 from sluice_server.models import model_class
 
 from conftest import Driver, make_tiny_model, reference_logits
@@ -200,6 +201,34 @@ def test_auto_dtype(device, stored, flags, want):
     config = {"torch_dtype": stored} if stored else {}
     assert choose_dtype("auto", torch.device(device), config, flags) == want
     assert choose_dtype("float16", torch.device(device), config, flags) == torch.float16
+
+
+INT8_PLAN = CpuMatmuls(int8=True, block_rows=64, dense_dtype=torch.bfloat16)
+EXACT_PLAN = CpuMatmuls(int8=False, block_rows=16, dense_dtype=None)
+NO_BLOCKS = CpuMatmuls(int8=False, block_rows=0, dense_dtype=None)
+
+
+@pytest.mark.parametrize(
+    "dtype,plan,env,want",
+    [
+        (torch.float32, INT8_PLAN, {}, torch.bfloat16),  # --dtype auto on GGUF blocks
+        (torch.float32, EXACT_PLAN, {}, torch.float32),  # --dtype float32: exact
+        (torch.float32, NO_BLOCKS, {}, torch.float32),  # no GGUF blocks: the float32 model as it is
+        (torch.bfloat16, NO_BLOCKS, {}, torch.bfloat16),
+        (torch.float32, None, {}, torch.float32),  # unpacked weights / CUDA
+        (torch.float16, None, {}, torch.float16),
+        (torch.float32, INT8_PLAN, {"SLUICE_KV_CACHE_DTYPE": "float32"}, torch.float32),
+        (torch.float32, EXACT_PLAN, {"SLUICE_KV_CACHE_DTYPE": "bfloat16"}, torch.bfloat16),
+        (torch.float16, None, {"SLUICE_KV_CACHE_DTYPE": "bfloat16"}, torch.float16),  # CPU only
+    ],
+)
+def test_kv_cache_dtype(dtype, plan, env, want):
+    assert choose_kv_dtype(dtype, plan, env) == want
+
+
+def test_kv_cache_dtype_override_names_the_choices():
+    with pytest.raises(ValueError, match="SLUICE_KV_CACHE_DTYPE='fp8' is not float32 or bfloat16"):
+        choose_kv_dtype(torch.float32, INT8_PLAN, {"SLUICE_KV_CACHE_DTYPE": "fp8"})
 
 
 def test_unknown_dtype_names_the_choices():

@@ -44,6 +44,24 @@ struct BlockLinear {
   }
 };
 
+// cache[slot[t]] = rows[t] for the T rows of [T, Hkv, D] (rows strided, each
+// row's heads contiguous). A float32 cache takes the rows as they are; a
+// bfloat16 one rounds them to nearest even, as torch's .to(torch.bfloat16)
+// does (so the Python path's write_kv stores the same bits).
+void store_rows(const at::Tensor& rows, const at::Tensor& cache, const int64_t* slot) {
+  const int64_t T = rows.size(0), row = rows.size(1) * rows.size(2), stride = rows.stride(0);
+  const float* src = rows.data_ptr<float>();
+  if (cache.scalar_type() == at::kFloat) {
+    float* dst = cache.data_ptr<float>();
+    for (int64_t t = 0; t < T; ++t) std::memcpy(dst + slot[t] * row, src + t * stride, row * sizeof(float));
+    return;
+  }
+  TORCH_CHECK(cache.scalar_type() == at::kBFloat16, "caches must be float32 or bfloat16");
+  at::BFloat16* dst = cache.data_ptr<at::BFloat16>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < row; ++j) dst[slot[t] * row + j] = at::BFloat16(src[t * stride + j]);
+}
+
 struct Layer {
   at::Tensor input_norm, post_attention_norm;
   BlockLinear qkv, o, gate_up, down;
@@ -96,18 +114,13 @@ class LlamaDecoder : public torch::CustomClassHolder {
       sluice_cpu::rotary_(q, k, cos, sin);
       const at::Tensor& kc = k_caches[i];
       const at::Tensor& vc = v_caches[i];
-      TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == at::kFloat &&
-                      kc.size(2) * kc.size(3) == kv_row,
-                  "layer ", i, ": caches must be contiguous float32 [NB, BS, Hkv, D]");
+      TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.size(2) * kc.size(3) == kv_row,
+                  "layer ", i, ": caches must be contiguous [NB, BS, Hkv, D]");
       const int64_t capacity = kc.size(0) * kc.size(1);
-      float* kp = kc.data_ptr<float>();
-      float* vp = vc.data_ptr<float>();
-      const int64_t stride = qkv.stride(0);
-      for (int64_t t = 0; t < T; ++t) {
+      for (int64_t t = 0; t < T; ++t)
         TORCH_CHECK(slot[t] >= 0 && slot[t] < capacity, "slot ", slot[t], " outside the cache");
-        std::memcpy(kp + slot[t] * kv_row, k.data_ptr<float>() + t * stride, kv_row * sizeof(float));
-        std::memcpy(vp + slot[t] * kv_row, v.data_ptr<float>() + t * stride, kv_row * sizeof(float));
-      }
+      store_rows(k, kc, slot);
+      store_rows(v, vc, slot);
       at::Tensor attn = at::empty({T, hq_, d_}, x.options());
       sluice_cpu::paged_decode_attention(attn, q, kc, vc, block_tables, seq_lens, scale, /*window=*/0);
       x = layer.o(attn.view({T, hq_ * d_}));

@@ -14,8 +14,8 @@ fails raises `BuildError`: a broken kernel must stop the shard (and fail the
 tests), not quietly turn into the slower fallback.
 
     paged_decode_attention(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window)
-        float32 decode attention straight from the paged cache, optionally over a
-        sliding window (cpu_attention.cpp)
+        float32 decode attention straight from the paged cache (float32 or
+        bfloat16), optionally over a sliding window (cpu_attention.cpp)
     rms_norm(x, residual, weight, eps) -> (normed, sum); rotary_(q, k, cos, sin);
     silu_mul(x): the small ops of a layer, one pass each (cpu_ops.cpp), used by
         layers.ops.CpuOps

@@ -49,6 +49,11 @@ class TorchAttention(AttentionBackend):
     causal over the fresh k/v when nothing is cached, otherwise against the
     gathered cache with an explicit mask (query i sees keys <= cached + i).
 
+    A cache of another dtype than q's (bfloat16 under float32 compute: see
+    model_runner.choose_kv_dtype) is read widened to q's dtype, and fresh
+    k/v are rounded to the cache's dtype first, so every query sees the
+    keys the cache holds.
+
     Sliding-window layers use the same calls with the window folded into the
     masks; those masks are built once per step and window, on first use.
     """
@@ -62,7 +67,12 @@ class TorchAttention(AttentionBackend):
         self.ops = CpuOps() if self.cpu_kernels else TorchOps()
 
     def _use_kernel(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        return self.cpu_kernels and q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.float32
+        return (
+            self.cpu_kernels
+            and q.device.type == "cpu"
+            and q.dtype == torch.float32
+            and k_cache.dtype in (torch.float32, torch.bfloat16)
+        )
 
     def prepare(self, meta: AttentionMetadata) -> None:
         meta.backend_state["torch"] = {None: self._plan(meta, None)}
@@ -131,7 +141,10 @@ class TorchAttention(AttentionBackend):
             end = start + q_len
             queries = q[start:end].transpose(0, 1)
             if tables is None:
-                keys, values = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
+                # The fresh k/v as the cache holds them, so a prompt's later
+                # chunks, decodes and prefix-cache hits see the same keys.
+                keys = k[start:end].to(k_cache.dtype).to(q.dtype).transpose(0, 1)
+                values = v[start:end].to(v_cache.dtype).to(q.dtype).transpose(0, 1)
             else:
                 keys = gather_kv(k_cache, tables, seq_len)[0].to(q.dtype)
                 values = gather_kv(v_cache, tables, seq_len)[0].to(q.dtype)
