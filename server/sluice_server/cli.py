@@ -102,27 +102,36 @@ async def serve(args: argparse.Namespace) -> int:
     import torch
 
     from sluice_server import faults
-    from sluice_server.distributed import init_distributed
+    from sluice_server.distributed import Distributed, init_distributed
     from sluice_server.model_runner import ModelRunner
     from sluice_server.pb import shard_pb2_grpc
-    from sluice_server.servicer import Shard, ShardServicer
+    from sluice_server.servicer import ModelThread, Shard, ShardServicer
 
     if args.block_size <= 0:
         raise ValueError(f"--block-size must be > 0, got {args.block_size}")
-    if args.num_threads > 0:
-        torch.set_num_threads(args.num_threads)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: no CUDA device is available")
-    dist = init_distributed(device)
+    # All torch work, from the process group and the load on, runs on this
+    # one thread (servicer.ModelThread says why).
+    model_thread = ModelThread(args.num_threads)
+
+    def load() -> tuple[Distributed, ModelRunner]:
+        dist = init_distributed(device)
+        started = time.perf_counter()
+        runner = ModelRunner(
+            args.model_dir, dtype=args.dtype, device=args.device, block_size=args.block_size, dist=dist,
+            attention_backend=args.attention_backend,
+        )
+        log.info(
+            "loaded %s (%s, %s) in %.1fs, %d CPU threads", args.model_dir, runner.model_type, runner.dtype,
+            time.perf_counter() - started, torch.get_num_threads(),
+        )
+        return dist, runner
+
+    dist, runner = await model_thread.run(load)
     injected = faults.from_env(dist.rank)
     telemetry.setup(args.otlp_endpoint, args.otlp_service_name, dist.rank)
-    started = time.perf_counter()
-    runner = ModelRunner(
-        args.model_dir, dtype=args.dtype, device=args.device, block_size=args.block_size, dist=dist,
-        attention_backend=args.attention_backend,
-    )
-    log.info("loaded %s (%s, %s) in %.1fs", args.model_dir, runner.model_type, runner.dtype, time.perf_counter() - started)
     # Everything allocated so far (the model's modules, parameters, imported
     # code) lives as long as the process: keep it out of the cyclic garbage
     # collector's passes, which otherwise walk it all on every full
@@ -145,7 +154,7 @@ async def serve(args: argparse.Namespace) -> int:
         fatal.append(reason)
         stop.set()
 
-    servicer = ShardServicer(Shard(runner, urls, args.kv_cache_bytes, injected), fatal=on_fatal)
+    servicer = ShardServicer(Shard(runner, urls, args.kv_cache_bytes, injected), fatal=on_fatal, model_thread=model_thread)
     shard_pb2_grpc.add_ShardServicer_to_server(servicer, server)
     with private_umask():
         server.add_insecure_port(f"unix://{path}")

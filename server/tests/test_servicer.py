@@ -198,6 +198,20 @@ def test_clear_cache_drops_requests(stub):
     assert code_of(lambda: stub.Step(step)) == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_model_work_runs_on_one_thread(server, stub):
+    """Load, warmup, steps and probes all run on the one model thread, with
+    --num-threads applied there (servicer.ModelThread: a second thread doing
+    torch work costs a 2-core host 4x per decode step)."""
+    proc, stub, uds = server
+    stub.Step(shard_pb2.StepRequest(new_requests=[new_request(90, [1, 2, 3], [0])]))
+    stub.Health(shard_pb2.HealthRequest())
+    stub.Step(shard_pb2.StepRequest(finished_ids=[90]))
+    names = [Path(f"/proc/{proc.pid}/task/{t}/comm").read_text().strip() for t in os.listdir(f"/proc/{proc.pid}/task")]
+    assert names.count("sluice-model") == 1, names
+    log = (Path(uds).parent / "server.log").read_text()
+    assert "1 CPU threads" in log, log
+
+
 def test_socket_is_private(server):
     """Only this user may connect: a shard obeys whoever calls it."""
     _, _, uds = server

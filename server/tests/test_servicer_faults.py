@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from sluice_server import faults
-from sluice_server.servicer import ShardServicer
+from sluice_server.servicer import ModelThread, ShardServicer
 
 
 class FakeContext:
@@ -62,6 +62,27 @@ def test_a_cancelled_call_holds_the_lock_until_its_thread_is_done():
     (name1, _, end1), (name2, start2, _) = spans
     assert (name1, name2) == ("first", "second")
     assert start2 >= end1
+
+
+def test_model_calls_share_one_thread_with_its_torch_threads():
+    import torch
+
+    main_threads = torch.get_num_threads()
+    model_thread = ModelThread(num_threads=1)
+    service = ShardServicer(servicer()[0].shard, model_thread=model_thread)
+
+    def where():
+        return threading.get_ident(), torch.get_num_threads()
+
+    async def main():
+        return [await service._run(FakeContext(), where) for _ in range(4)]
+
+    seen = asyncio.run(main())
+    model_thread.shutdown()
+    assert len(set(seen)) == 1, seen
+    ident, threads = seen[0]
+    assert ident != threading.get_ident() and threads == 1
+    assert torch.get_num_threads() == main_threads  # set on the model thread only
 
 
 def test_an_internal_error_on_a_parallel_rank_is_fatal():
