@@ -15,11 +15,12 @@ Paths (rows), as `--dtype` selects them (layers/cpu_matmuls.py):
     float32          the reference: exact GGUF blocks / dense float32
     auto, decode     int8 activations on the GGUF blocks and a bfloat16
                      KV cache: every position computed as a one-token decode
-                     step (the path decode steps of <= 64 sequences take
-                     with VNNI, <= 8 with AVX2 only)
+                     step (the C++ decoder)
     auto, prefill    the same --dtype auto model scoring the text in prefill
-                     chunks: dense bfloat16 where the CPU has native bf16
-                     (else float32), the bfloat16 KV cache
+                     chunks: on the blocks too where the plan runs them at
+                     every size (VNNI without AMX), else dense bfloat16
+                     where the CPU has native bf16 (else float32); the
+                     bfloat16 KV cache
     bfloat16         every weight and activation in bf16 (dense)
 
 The issue's bound for a fast path: top-1 agreement >= 99% and perplexity

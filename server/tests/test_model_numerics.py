@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sluice_server.layers import cpu_kernels
-from sluice_server.layers.cpu_matmuls import CpuMatmuls
+from sluice_server.layers.cpu_matmuls import ALL_ROWS, CpuMatmuls, plan_cpu_matmuls
 from sluice_server.model_runner import ModelRunner, choose_dtype, choose_kv_dtype
 from sluice_server.models import model_class
 
@@ -206,6 +206,33 @@ def test_auto_dtype(device, stored, flags, want):
 INT8_PLAN = CpuMatmuls(int8=True, block_rows=64, dense_dtype=torch.bfloat16)
 EXACT_PLAN = CpuMatmuls(int8=False, block_rows=16, dense_dtype=None)
 NO_BLOCKS = CpuMatmuls(int8=False, block_rows=0, dense_dtype=None)
+
+
+VNNI = {"avx2", "avx512f", "avx512_vnni"}
+
+
+@pytest.mark.parametrize(
+    "requested,dtype,flags,env,want",
+    [
+        # --dtype auto on a float32 model: int8 blocks, up to the host's limit.
+        ("auto", torch.float32, {"avx2"}, {}, CpuMatmuls(True, 8, None)),
+        ("auto", torch.float32, VNNI, {}, CpuMatmuls(True, ALL_ROWS, None)),
+        ("auto", torch.float32, VNNI | {"avx512_bf16"}, {}, CpuMatmuls(True, ALL_ROWS, torch.bfloat16)),
+        ("auto", torch.float32, VNNI | {"avx512_bf16", "amx_bf16", "amx_int8"}, {}, INT8_PLAN),
+        ("auto", torch.float32, VNNI, {"SLUICE_GGUF_MAX_ROWS": "32"}, CpuMatmuls(True, 32, None)),
+        ("auto", torch.float32, VNNI, {"SLUICE_GGUF_MAX_ROWS": "0"}, CpuMatmuls(True, 0, None)),
+        # Exact blocks for --dtype float32; none for a reduced-precision model.
+        ("float32", torch.float32, VNNI, {}, EXACT_PLAN),
+        ("auto", torch.bfloat16, VNNI | {"avx512_bf16"}, {}, NO_BLOCKS),
+    ],
+)
+def test_cpu_matmul_plan(requested, dtype, flags, env, want):
+    assert plan_cpu_matmuls(requested, dtype, flags, env) == want
+
+
+def test_cpu_matmul_plan_says_where_the_blocks_stop():
+    assert INT8_PLAN.describe() == "int8 activations on GGUF blocks for steps of <= 64 rows, dense bfloat16 (oneDNN) above"
+    assert CpuMatmuls(True, ALL_ROWS, None).describe() == "int8 activations on GGUF blocks for every step"
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,7 @@ from torch import nn
 
 from sluice_server.batch import Batch
 from sluice_server.layers import cpu_kernels
+from sluice_server.layers.cpu_matmuls import ALL_ROWS
 from sluice_server.layers.ops import CpuOps
 
 log = logging.getLogger(__name__)
@@ -96,5 +97,6 @@ def build_cpu_decoder(model: nn.Module) -> CpuDecoder | None:
             [m.bias for m in group],
         )
     max_rows = min(q.max_rows for q in quantized)
-    log.info("decode steps of <= %d sequences run the C++ decoder (%d layers)", max_rows, engine.num_layers())
+    sizes = "every decode step runs" if max_rows >= ALL_ROWS else f"decode steps of <= {max_rows} sequences run"
+    log.info("%s the C++ decoder (%d layers)", sizes, engine.num_layers())
     return CpuDecoder(model, engine, max_rows)

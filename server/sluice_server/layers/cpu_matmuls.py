@@ -6,7 +6,8 @@ packed for oneDNN for the rest. The plan says which forms and dtypes:
 
     --dtype      GGUF model + CPU kernels               otherwise
     auto         int8 activations on the blocks for      the dense weights in
-                 steps of <= int8_rows rows; above,      the model's dtype
+                 steps of <= int8_rows rows (every       the model's dtype
+                 step with VNNI and no AMX); above,
                  dense bfloat16 where the CPU multiplies
                  it natively, else float32
     float32      blocks expanded exactly (<= 16 rows),   float32
@@ -33,15 +34,21 @@ import torch
 # float32's 70.
 NATIVE_BF16_FLAGS = {"amx_bf16", "avx512_bf16"}
 
-# Rows up to which the blocks beat the dense weights (whole decode steps of
-# the bundled SmolLM2; benchmarks/step_bench.py --block-rows compares limits):
-# int8 with AVX-512 VNNI against AMX bf16 on a Sapphire Rapids host (32-row
-# step 138 ms on the blocks against 247 dense, 64 rows 185 / 194, equal at 128,
-# dense ahead above: a step that small reads its weights more than it
-# multiplies, and the blocks are 3.5x smaller than bf16);
-# with AVX2 only, against float32; the exact expansion against float32 on an
-# AVX2 EPYC.
-INT8_ROWS_AVX512 = 64
+# Rows up to which the blocks beat the dense weights (whole steps of the
+# bundled SmolLM2; benchmarks/step_bench.py --block-rows compares limits):
+# - int8 with VNNI against AMX bf16, on a Sapphire Rapids host with AMX:
+#   32-row decode step 138 ms on the blocks against 247 dense, 64 rows 185 /
+#   194, equal at 128, dense ahead above (a step that small reads its weights
+#   more than it multiplies, and the blocks are 3.5x smaller than bf16);
+# - int8 with VNNI where there is no AMX: the blocks at every size. On a
+#   Sapphire Rapids VM without AMX, 2 threads: 128-row decode step 185 ms
+#   against 418 on dense bf16; a 256-token prefill 222 ms against 352 on
+#   dense float32 and 482 on bf16 (AVX512-BF16 ran slower than float32 FMAs);
+# - AVX2 only, against float32;
+# - the exact expansion against float32 on an AVX2 EPYC.
+ALL_ROWS = 1 << 30
+INT8_ROWS_AMX = 64
+INT8_ROWS_VNNI = ALL_ROWS
 INT8_ROWS_AVX2 = 8
 EXACT_ROWS = 16
 
@@ -76,6 +83,8 @@ class CpuMatmuls:
         if self.block_rows <= 0:
             return f"dense {dense} weights (oneDNN)"
         blocks = "int8 activations on GGUF blocks" if self.int8 else "GGUF blocks expanded to float32"
+        if self.block_rows >= ALL_ROWS:
+            return f"{blocks} for every step"
         return f"{blocks} for steps of <= {self.block_rows} rows, dense {dense} (oneDNN) above"
 
 
@@ -86,7 +95,10 @@ def plan_cpu_matmuls(requested_dtype: str, dtype: torch.dtype, flags: set[str], 
     env = os.environ if env is None else env
     override = env.get("SLUICE_GGUF_MAX_ROWS")
     if requested_dtype == "auto" and dtype == torch.float32:
-        rows = INT8_ROWS_AVX512 if "avx512_vnni" in flags else INT8_ROWS_AVX2
+        if "avx512_vnni" not in flags:
+            rows = INT8_ROWS_AVX2
+        else:
+            rows = INT8_ROWS_AMX if "amx_int8" in flags else INT8_ROWS_VNNI
         dense = torch.bfloat16 if native_bf16(flags) else None
         return CpuMatmuls(int8=True, block_rows=int(override) if override else rows, dense_dtype=dense)
     rows = EXACT_ROWS if dtype == torch.float32 else 0
