@@ -1,8 +1,9 @@
 """The default CPU path (`--dtype auto` on a GGUF model) end to end.
 
-What a user gets with no flags: decode steps of few sequences run int8
-activations on the GGUF's blocks through the C++ decoder, larger steps run
-dense weights (bfloat16 where the CPU multiplies it natively). It is not
+What a user gets with no flags: decode steps run int8 activations on the
+GGUF's blocks through the C++ decoder, and so do prefill and big batches
+where the CPU has VNNI and no AMX; elsewhere larger steps run dense weights
+(bfloat16 where the CPU multiplies it natively). It is not
 bitwise float32 (benchmarks/quality.py measures how far it is); these tests
 check that this path is the one that serves, that it answers sensibly, and
 what it promises about batches: a sequence's decoded tokens do not depend on
@@ -54,16 +55,20 @@ def test_served_by_int8_blocks_and_the_cpu_decoder(fast, model_dir):
     info = httpx.get(f"{fast.base_url}/info", timeout=30).json()
     if info["model_device_type"] != "cpu":
         pytest.skip(f"the CPU path is checked on CPU; this shard runs on {info['model_device_type']}")
-    from sluice_server.layers.cpu_matmuls import cpu_flags, native_bf16
+    import torch
+
+    from sluice_server.layers.cpu_matmuls import cpu_flags, plan_cpu_matmuls
 
     startup = "\n".join(fast.head)
     assert "int8 activations on GGUF blocks" in startup, startup
     layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
     blocks = re.search(r"(\d+) run GGUF blocks", startup)
     assert blocks and int(blocks.group(1)) == 4 * layers + 1, startup
-    assert re.search(rf"run the C\+\+ decoder \({layers} layers\)", startup), startup
-    dense = "dense bfloat16" if native_bf16(cpu_flags()) else "dense model dtype"
-    assert dense in startup, startup
+    assert re.search(rf"runs? the C\+\+ decoder \({layers} layers\)", startup), startup
+    # The plan this host gets (tests/test_model_numerics.py checks the plan
+    # for each kind of CPU).
+    plan = plan_cpu_matmuls("auto", torch.float32, cpu_flags(), env={})
+    assert f"CPU matmuls: {plan.describe()};" in startup, startup
 
 
 def test_answers_sensibly(fast):
@@ -76,14 +81,14 @@ def test_answers_sensibly(fast):
 
 
 def test_decode_rows_do_not_depend_on_the_other_rows(tmp_path):
-    """Steps of few rows (layers/cpu_matmuls.py: up to 64 with AVX-512 VNNI)
-    run the int8 kernels, which quantize each row on its own and sum its
-    blocks in a fixed order, and decode attention
+    """Steps of few rows (layers/cpu_matmuls.py: every step with VNNI and no
+    AMX, up to 64 rows with AMX) run the int8 kernels, which quantize each row
+    on its own and sum its blocks in a fixed order, and decode attention
     splits keys at fixed positions: a sequence decodes the same tokens alone
-    and while seven other requests prefill and decode in its steps. (Larger
-    steps run oneDNN's dense matmuls, whose rows can change in the last bits
-    with the step's size; the README says so.) A step budget of 16 tokens
-    keeps every step on the kernels."""
+    and while seven other requests prefill and decode in its steps. (Where
+    larger steps run oneDNN's dense matmuls, their rows can change in the
+    last bits with the step's size; the README says so.) A step budget of 16
+    tokens keeps every step on the kernels."""
     server = start_launcher(
         "--max-batch-prefill-tokens", "16",
         "--max-total-tokens", "512",
