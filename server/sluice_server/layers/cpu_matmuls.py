@@ -97,8 +97,10 @@ def plan_cpu_matmuls(requested_dtype: str, dtype: torch.dtype, flags: set[str], 
     if requested_dtype == "auto" and dtype == torch.float32:
         if "avx512_vnni" not in flags:
             rows = INT8_ROWS_AVX2
+        elif "amx_int8" in flags:
+            rows = INT8_ROWS_AMX
         else:
-            rows = INT8_ROWS_AMX if "amx_int8" in flags else INT8_ROWS_VNNI
+            rows = INT8_ROWS_VNNI
         dense = torch.bfloat16 if native_bf16(flags) else None
         return CpuMatmuls(int8=True, block_rows=int(override) if override else rows, dense_dtype=dense)
     rows = EXACT_ROWS if dtype == torch.float32 else 0
