@@ -10,7 +10,10 @@
 #       bash benchmarks/cpu_compare.sh [OUT_DIR]
 #
 # A peer whose variable is unset is left out. SLUICE_ARGS adds flags to
-# sluice-launcher (e.g. "--dtype bfloat16"); LABEL names that run.
+# sluice-launcher (e.g. "--dtype bfloat16"); LABEL names that run; SKIP_SLUICE=1
+# runs the peers only. VLLM_DTYPE (default bfloat16) is vLLM's --dtype, and
+# VLLM_PRELOAD goes into its LD_PRELOAD (vLLM's CPU guide preloads tcmalloc
+# and Intel OpenMP); VLLM_LABEL names its files (default vllm).
 # Run it on a quiet machine: nothing else should be using the cores.
 set -euo pipefail
 
@@ -54,7 +57,7 @@ run() {  # name port command...
     wait "$pid" 2>/dev/null || true
 }
 
-run "$label" 8090 setsid sluice-launcher --port 8090 --hostname 127.0.0.1 ${SLUICE_ARGS:-}
+[[ ${SKIP_SLUICE:-0} == 1 ]] || run "$label" 8090 setsid sluice-launcher --port 8090 --hostname 127.0.0.1 ${SLUICE_ARGS:-}
 
 if [[ -n ${LLAMA_SERVER:-} ]]; then
     LD_LIBRARY_PATH=$(dirname "$LLAMA_SERVER") run llama.cpp 8091 "$LLAMA_SERVER" -m "$gguf" \
@@ -64,9 +67,11 @@ fi
 if [[ -n ${VLLM_PYTHON:-} ]]; then
     # vLLM keeps one core for its front end by default; give its model every
     # core, as the others get.
-    VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4} VLLM_CPU_OMP_THREADS_BIND=0-$((threads - 1)) \
-        VLLM_CPU_NUM_OF_RESERVED_CPU=0 run vllm 8092 "$VLLM_PYTHON" -m vllm.entrypoints.openai.api_server \
-        --model "$folder" --served-model-name smollm2 --dtype bfloat16 --port 8092 --host 127.0.0.1 --max-model-len 2048
+    LD_PRELOAD=${VLLM_PRELOAD:-} VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4} \
+        VLLM_CPU_OMP_THREADS_BIND=0-$((threads - 1)) VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
+        run "${VLLM_LABEL:-vllm}" 8092 "$VLLM_PYTHON" -m vllm.entrypoints.openai.api_server \
+        --model "$folder" --served-model-name smollm2 --dtype "${VLLM_DTYPE:-bfloat16}" --port 8092 --host 127.0.0.1 \
+        --max-model-len 2048
 fi
 
 echo "results in $out"
