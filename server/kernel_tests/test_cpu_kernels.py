@@ -156,6 +156,45 @@ def test_silu_mul_is_the_torch_arithmetic(rows):
     assert torch.equal(torch.ops.sluice_cpu.silu_mul(x), TorchOps().silu_mul(x))
 
 
+@pytest.mark.parametrize("rows,vocab", [(1, 49152), (8, 49152), (5, 37), (3, 16)])
+def test_argmax_rows_is_torch_max(rows, vocab):
+    """Greedy sampling's kernel returns torch.max(x, -1): the maximum and its
+    first index, with ties anywhere in a row (also inside one vector of 16 and
+    in the scalar tail), a row of -inf, and NaN rows (NaN and its first index)."""
+    x = randn(rows, vocab + 5, seed=9)[:, :vocab]  # strided rows
+    x[0, vocab // 3] = x[0, vocab - 1] = 50.0  # a tie far apart: the first wins
+    if rows > 1:
+        x[1, 2] = x[1, 3] = 50.0  # a tie in one vector
+    if rows > 2:
+        x[2] = -float("inf")
+    if rows > 3:
+        x[3, vocab // 2] = float("nan")
+        x[3, vocab - 1] = float("nan")
+    if rows > 4:
+        x[4, vocab - 1] = 60.0  # the maximum in the last position
+    values, indices = torch.ops.sluice_cpu.argmax_rows(x)
+    want_values, want_indices = x.max(dim=-1)
+    assert torch.equal(indices, want_indices)
+    torch.testing.assert_close(values, want_values, atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_greedy_sampling_with_and_without_the_kernel(monkeypatch, kernels):
+    """Plain greedy rows go through argmax_rows once the kernels are loaded,
+    and through torch.max otherwise: the same tokens, ties to the first."""
+    from sluice_server import sampling
+    from sluice_server.pb import shard_pb2
+
+    logits = randn(6, 1000, seed=10)
+    logits[2, 10] = logits[2, 900] = 99.0
+    rows = [sampling.SamplingRow(shard_pb2.SamplingParams(), [1, 2], 2, None) for _ in range(6)]
+    asked = []
+    monkeypatch.setattr(sampling.cpu_kernels, "loaded", lambda: asked.append(kernels) or kernels)
+    got = [t.token_id for t in sampling.sample(logits, rows, [0])]
+    assert asked == [kernels]
+    assert got == logits.argmax(dim=-1).tolist() and got[2] == 10
+
+
 def test_other_dtypes_take_the_torch_path():
     x = randn(3, 64, seed=7).to(torch.bfloat16)
     weight = torch.ones(64, dtype=torch.bfloat16)

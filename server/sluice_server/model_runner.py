@@ -346,7 +346,10 @@ class ModelRunner:
                 )
         if not rows:
             return [], []
-        chosen = logits[picked]
+        # A decode step picks every row in order: no copy of [rows, vocab]
+        # then (0.6 ms at 32 rows), unless grammar masks are written into it.
+        identity = not constrained and picked == list(range(logits.shape[0]))
+        chosen = logits if identity else logits[picked]
         if constrained:
             # On CUDA the forward pass may still be running: the masks are
             # computed on the CPU meanwhile, only their application waits.

@@ -45,6 +45,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from sluice_server.layers import cpu_kernels
 from sluice_server.pb import shard_pb2
 
 _MASK64 = (1 << 64) - 1
@@ -285,7 +286,7 @@ class _BatchParams:
 
 
 def _greedy_fast_path(logits: torch.Tensor) -> list[SampledToken]:
-    values, ids = logits.max(dim=-1)
+    values, ids = _row_max(logits)
     ids = ids.tolist()
     broken = torch.isnan(values).tolist()
     return [
@@ -293,6 +294,17 @@ def _greedy_fast_path(logits: torch.Tensor) -> list[SampledToken]:
         else SampledToken(token_id, math.nan, [])
         for token_id, bad in zip(ids, broken)
     ]
+
+
+def _row_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits.max(dim=-1): on CPU float32 through the C++ kernel when the
+    shard loaded them (torch's max with indices over a 49K vocabulary took
+    0.25-0.36 ms for 8 rows, 1.3-1.6 ms for 32; the kernel returns the same
+    values and indices in about an eighth of that)."""
+    on_cpu = logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(-1) == 1
+    if on_cpu and cpu_kernels.loaded():
+        return torch.ops.sluice_cpu.argmax_rows(logits)
+    return logits.max(dim=-1)
 
 
 def _flat_token_index(

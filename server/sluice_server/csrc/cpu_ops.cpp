@@ -8,6 +8,12 @@
 //   silu_mul(x) -> out             [T, 2I] -> silu(x[:, :I]) * x[:, I:] (ATen's
 //                                  kernels, for the C++ decoder: the Python
 //                                  forward runs the same two in torch)
+//   argmax_rows(x) -> (max, index) per row of [B, V], what torch.max(x, -1)
+//                                  returns (the first index of the maximum; a
+//                                  row with a NaN: NaN and the first NaN's
+//                                  index), for greedy sampling: torch's
+//                                  reduction with indices ran 8-20x slower
+//                                  than a plain max over a vocabulary
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -16,8 +22,13 @@
 #include "sluice_cpu.h"
 
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <tuple>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -110,16 +121,59 @@ at::Tensor silu_mul(const at::Tensor& x) {
   return out;
 }
 
+std::tuple<at::Tensor, at::Tensor> argmax_rows(const at::Tensor& x) {
+  check_float_rows(x, "x");
+  const int64_t B = x.size(0), V = x.size(1);
+  TORCH_CHECK(V > 0, "x must have at least one column");
+  at::Tensor values = at::empty({B}, x.options());
+  at::Tensor indices = at::empty({B}, x.options().dtype(at::kLong));
+  float* vp = values.data_ptr<float>();
+  int64_t* ip = indices.data_ptr<int64_t>();
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const float* r = x.data_ptr<float>() + b * x.stride(0);
+      // Two passes, each a vector loop: the maximum (and whether a NaN is
+      // there), then the first position that holds it.
+      float m = -std::numeric_limits<float>::infinity();
+      int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+      for (int64_t i = 0; i < V; ++i) {
+        m = r[i] > m ? r[i] : m;
+        nan |= r[i] != r[i];
+      }
+      int64_t at = 0;
+      if (nan) {
+        while (r[at] == r[at]) ++at;
+        m = r[at];
+      } else {
+#if defined(__AVX512F__)
+        const __m512 mv = _mm512_set1_ps(m);
+        for (; at + 16 <= V; at += 16) {
+          const __mmask16 hit = _mm512_cmpeq_ps_mask(_mm512_loadu_ps(r + at), mv);
+          if (hit) break;
+        }
+#endif
+        while (r[at] != m) ++at;
+      }
+      vp[b] = m;
+      ip[b] = at;
+    }
+  });
+  return {values, indices};
+}
+
 }  // namespace sluice_cpu
 
 TORCH_LIBRARY_FRAGMENT(sluice_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.def("silu_mul(Tensor x) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(sluice_cpu, CPU, m) {
   m.impl("rms_norm", &sluice_cpu::rms_norm);
   m.impl("rotary_", &sluice_cpu::rotary_);
   m.impl("silu_mul", &sluice_cpu::silu_mul);
+  m.impl("argmax_rows", &sluice_cpu::argmax_rows);
 }

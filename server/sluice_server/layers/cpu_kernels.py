@@ -19,6 +19,8 @@ tests), not quietly turn into the slower fallback.
     rms_norm(x, residual, weight, eps) -> (normed, sum); rotary_(q, k, cos, sin);
     silu_mul(x): the small ops of a layer, one pass each (cpu_ops.cpp), used by
         layers.ops.CpuOps
+    argmax_rows(x) -> (max, index): torch.max(x, -1) for greedy sampling
+        (cpu_ops.cpp), used by sampling once the kernels are loaded
     q8_pack(sw, cw, wq, layout); q8_linear(x, packed, layout, out_features, isa=0);
         exact_linear(...): matmuls on GGUF blocks of many types (unpacked by
         layers.gguf_blocks), with int8 activations or expanded to float32
@@ -49,7 +51,7 @@ SOURCES = [
 ]
 HEADERS = [CSRC / "sluice_cpu.h"]
 OPS = (
-    "paged_decode_attention", "rms_norm", "rotary_", "silu_mul",
+    "paged_decode_attention", "rms_norm", "rotary_", "silu_mul", "argmax_rows",
     "q8_pack", "q8_linear", "exact_linear", "q8_quantize", "q8_isas",
 )
 _lock = threading.Lock()
@@ -106,6 +108,12 @@ def build_folder_name() -> str:
 def unavailable_reason() -> str | None:
     """After load(): why the kernels are off, or None when they are loaded."""
     return _state.get("reason")
+
+
+def loaded() -> bool:
+    """True once load() succeeded; never builds (for callers that only use
+    the kernels where the shard already loaded them)."""
+    return _state.get("ok", False)
 
 
 def load() -> bool:
