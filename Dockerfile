@@ -11,7 +11,7 @@
 ARG BUILDER_IMAGE=rust:1-bookworm
 ARG BASE_IMAGE=nvidia/cuda:12.6.3-runtime-ubuntu24.04
 
-# ---- builder: the wheel with the Rust executables and the Python package ----
+# ---- builder: the wheels: the kernels, and the Rust executables with the server ----
 FROM ${BUILDER_IMAGE} AS builder
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv python3-pip ca-certificates \
@@ -24,15 +24,18 @@ COPY proto proto
 COPY router router
 COPY launcher launcher
 COPY server server
+COPY kernels kernels
 COPY scripts scripts
 RUN /opt/build/bin/python scripts/gen_proto.py \
- && /opt/build/bin/maturin build --release --out /wheels
+ && /opt/build/bin/maturin build --release --out /wheels \
+ && /opt/build/bin/pip wheel --no-cache-dir --no-deps ./kernels -w /wheels
 
 # ---- runtime ----
 FROM ${BASE_IMAGE}
 # g++ builds the shard's CPU kernels for the host's processor on first start
 # (cached under /data/torch_extensions); without it a CPU shard still runs,
-# on plain torch attention.
+# on plain torch attention. The server's wheel depends on the kernels' wheel
+# (sluice-kernels), which pip takes from /wheels.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates g++ \
  && rm -rf /var/lib/apt/lists/*

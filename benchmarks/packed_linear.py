@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("server", "kernels")]
 
 from sluice_server.layers.linear import can_pack_for_cpu, pack_for_cpu, packed_linear  # noqa: E402
 

@@ -10,7 +10,7 @@ with float32's at the same position.
     perplexity        exp(mean negative log-likelihood of the true next token),
                       and its change against float32's
 
-Paths (rows), as `--dtype` selects them (layers/cpu_matmuls.py):
+Paths (rows), as `--dtype` selects them (kernels/sluice_kernels/cpu_matmuls.py):
 
     float32          the reference: exact GGUF blocks / dense float32
     auto, decode     int8 activations on the GGUF blocks and a bfloat16
@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("server", "kernels")]
 
 from sluice_server.batch import RequestState, Work  # noqa: E402
 from sluice_server.model_runner import KV_DTYPE_ENV, ModelRunner  # noqa: E402

@@ -1,7 +1,7 @@
 """Decode step time and tokens/s of the shard, in-process (no gRPC), for
 each CPU arithmetic path, beside the host's limits measured in the same run.
 
-For each path (--dtype auto, float32, bfloat16; layers/cpu_matmuls.py says
+For each path (--dtype auto, float32, bfloat16; kernels/sluice_kernels/cpu_matmuls.py says
 what each runs) and batch size B: B requests with a `--prompt-len` prompt
 are prefilled, then `--steps` decode steps run through `Shard.step` (batch
 building, forward, greedy sampling) and are timed. Each row gives:
@@ -19,7 +19,7 @@ A step can be no faster than max(FLOPs / dense rate, bytes / bandwidth).
     python benchmarks/step_bench.py --paths auto --batch-sizes 1,16 --threads 2
     python benchmarks/step_bench.py --paths auto --batch-sizes 32,64 --block-rows 16,64
 
---block-rows compares where the blocks stop paying (layers/cpu_matmuls.py's
+--block-rows compares where the blocks stop paying (kernels/sluice_kernels/cpu_matmuls.py's
 row limits): the same steps with blocks up to each limit, taking turns.
 """
 
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("server", "kernels")]
 
 from sluice_server.model_runner import ModelRunner  # noqa: E402
 from sluice_server.pb import shard_pb2  # noqa: E402

@@ -57,7 +57,7 @@ def test_served_by_int8_blocks_and_the_cpu_decoder(fast, model_dir):
         pytest.skip(f"the CPU path is checked on CPU; this shard runs on {info['model_device_type']}")
     import torch
 
-    from sluice_server.layers.cpu_matmuls import cpu_flags, plan_cpu_matmuls
+    from sluice_kernels.cpu_matmuls import cpu_flags, plan_cpu_matmuls
 
     startup = "\n".join(fast.head)
     assert "int8 activations on GGUF blocks" in startup, startup
@@ -81,7 +81,7 @@ def test_answers_sensibly(fast):
 
 
 def test_decode_rows_do_not_depend_on_the_other_rows(tmp_path):
-    """Steps of few rows (layers/cpu_matmuls.py: every step with VNNI and no
+    """Steps of few rows (sluice_kernels/cpu_matmuls.py: every step with VNNI and no
     AMX, up to 64 rows with AMX) run the int8 kernels, which quantize each row
     on its own and sum its blocks in a fixed order, and decode attention
     splits keys at fixed positions: a sequence decodes the same tokens alone

@@ -100,7 +100,7 @@ def server(tmp_path_factory, model_dir):
     folder = model_dir
     uds = str(tmp_path_factory.mktemp("sock") / "shard")
     logs = tmp_path_factory.mktemp("logs")
-    env = dict(os.environ, PYTHONPATH=str(REPO / "server"), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(REPO / d) for d in ("server", "kernels")), OMP_NUM_THREADS="1")
     shard = subprocess.Popen(
         [sys.executable, "-m", "sluice_server.cli", "serve", str(folder), "--uds-path", uds,
          "--kv-cache-bytes", str(8 << 20), "--num-threads", "1"],
@@ -282,7 +282,7 @@ def test_openai_client_works_unchanged(server):
 
 def test_port_in_use_is_one_clear_error(tmp_path, model_dir):
     uds = str(tmp_path / "shard")
-    env = dict(os.environ, PYTHONPATH=str(REPO / "server"), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(REPO / d) for d in ("server", "kernels")), OMP_NUM_THREADS="1")
     shard = subprocess.Popen(
         [sys.executable, "-m", "sluice_server.cli", "serve", str(model_dir), "--uds-path", uds,
          "--kv-cache-bytes", str(8 << 20), "--num-threads", "1"],

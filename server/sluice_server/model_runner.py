@@ -23,7 +23,7 @@ from sluice_server.distributed import SINGLE, Distributed
 from sluice_server.kv_cache import KVCache
 from sluice_server.layers.backends import get_backend
 from sluice_server.layers.cpu_decoder import CpuDecoder, build_cpu_decoder
-from sluice_server.layers.cpu_matmuls import CpuMatmuls, cpu_flags, native_bf16, plan_cpu_matmuls
+from sluice_kernels.cpu_matmuls import CpuMatmuls, cpu_flags, native_bf16, plan_cpu_matmuls
 from sluice_server.layers.gguf_weights import attach_gguf_weights
 from sluice_server.layers.linear import pack_linear_weights
 from sluice_server.models import build_model, load_weights
@@ -219,7 +219,7 @@ class ModelRunner:
 
     def _prepare_cpu_weights(self, requested_dtype: str) -> CpuMatmuls:
         """Attaches the GGUF blocks and packs the dense weights as the plan
-        says (layers.cpu_matmuls); returns the plan that holds."""
+        says (sluice_kernels.cpu_matmuls); returns the plan that holds."""
         plan = plan_cpu_matmuls(requested_dtype, self.dtype, cpu_flags())
         blocks = attach_gguf_weights(
             self.model, self.model_dir, self.dist.world_size, int8=plan.int8, max_rows=plan.block_rows

@@ -45,7 +45,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from sluice_server.layers import cpu_kernels
+from sluice_kernels import cpu_kernels
 from sluice_server.pb import shard_pb2
 
 _MASK64 = (1 << 64) - 1

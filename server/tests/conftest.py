@@ -3,6 +3,7 @@ transformers, and a small driver that runs steps through the model runner."""
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -21,9 +22,29 @@ from sluice_server.model_runner import ModelRunner
 from sluice_server.pb import shard_pb2
 from sluice_server.testing import make_tiny_model  # noqa: F401 - tests import it from here
 
+# PYTHONPATH for a shard process that runs this checkout's code: the server
+# package and the kernels beside it.
+REPO = Path(__file__).resolve().parents[2]
+CHECKOUT_PYTHONPATH = os.pathsep.join(str(REPO / d) for d in ("server", "kernels"))
+
 # One thread: on a 2-core machine shared with other work, two OpenMP threads
 # make every small op wait for a descheduled peer (measured: ~12 ms per op).
 torch.set_num_threads(1)
+
+# The Triton backend's tests (test_triton_*.py) run its kernels in Triton's
+# interpreter where there is no GPU. triton.jit reads the variable when a
+# kernel is defined, so it is set before any test imports triton; shards the
+# tests start inherit it, which changes nothing unless they are asked for
+# the triton backend.
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def triton_device() -> torch.device:
+    """Where the Triton backend's tests run: the GPU, or CPU tensors under the interpreter."""
+    from sluice_kernels.triton import triton_interpreting
+
+    return torch.device("cuda" if torch.cuda.is_available() and not triton_interpreting() else "cpu")
 
 
 @pytest.fixture(scope="session")

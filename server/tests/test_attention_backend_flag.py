@@ -19,9 +19,8 @@ import torch
 
 from sluice_server.pb import shard_pb2, shard_pb2_grpc
 
-from conftest import make_tiny_model
+from conftest import CHECKOUT_PYTHONPATH, make_tiny_model
 
-SERVER_DIR = Path(__file__).resolve().parents[1]
 BLOCK = 4
 # A shard's start may include building the CPU kernels for this checkout
 # (minutes on a busy 2-core machine); only a hang should reach this.
@@ -37,7 +36,7 @@ def serve(model_dir: Path, sock_dir: str, *args: str, env: dict | None = None) -
     cmd = [sys.executable, "-m", "sluice_server.cli", "serve", str(model_dir), "--uds-path",
            os.path.join(sock_dir, "shard"), "--kv-cache-bytes", str(16 * 2**20), "--block-size", str(BLOCK),
            "--num-threads", "1", *args]
-    full_env = dict(os.environ, PYTHONPATH=str(SERVER_DIR), RANK="0", WORLD_SIZE="1", **(env or {}))
+    full_env = dict(os.environ, PYTHONPATH=CHECKOUT_PYTHONPATH, RANK="0", WORLD_SIZE="1", **(env or {}))
     log = open(os.path.join(sock_dir, "server.log"), "w")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import Driver
-from sluice_server.layers import cpu_kernels
+from sluice_kernels import cpu_kernels
 from sluice_server.batch import Work
 from sluice_server.model_runner import ModelRunner
 

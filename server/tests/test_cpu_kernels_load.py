@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from sluice_server.layers import cpu_kernels
+from sluice_kernels import cpu_kernels
 
 
 @pytest.fixture

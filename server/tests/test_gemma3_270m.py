@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from sluice_server.layers import cpu_kernels
+from sluice_kernels import cpu_kernels
 from sluice_server.model_runner import ModelRunner
 
 from test_model_numerics import shard_greedy, transformers_greedy

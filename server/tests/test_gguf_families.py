@@ -183,7 +183,7 @@ def test_decodes_run_on_the_k_quant_blocks(converted):
     kernel reads (all here: Q4_K, Q5_K, Q6_K, Q8_0) multiplies on its blocks,
     and the logits stay those of the float32 weights up to the int8 rounding
     of the activations."""
-    from sluice_server.layers import gguf_blocks
+    from sluice_kernels import gguf_blocks
     from sluice_server.layers.gguf_weights import _pieces
 
     _, _, types, folder = converted

@@ -236,7 +236,7 @@ def with_blocks(folder, corrupt: str | None = None):
 
 @pytest.fixture
 def kernels():
-    from sluice_server.layers import cpu_kernels
+    from sluice_kernels import cpu_kernels
 
     if not cpu_kernels.load():
         pytest.skip(f"GGUF blocks need the CPU kernels: {cpu_kernels.unavailable_reason()}")

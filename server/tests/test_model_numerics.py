@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sluice_server.layers import cpu_kernels
-from sluice_server.layers.cpu_matmuls import ALL_ROWS, CpuMatmuls, plan_cpu_matmuls
+from sluice_kernels import cpu_kernels
+from sluice_kernels.cpu_matmuls import ALL_ROWS, CpuMatmuls, plan_cpu_matmuls
 from sluice_server.model_runner import ModelRunner, choose_dtype, choose_kv_dtype
 from sluice_server.models import model_class
 

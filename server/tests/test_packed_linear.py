@@ -55,7 +55,7 @@ def test_mlp_keeps_its_intermediate_in_the_packed_dtype(rows):
 
     from sluice_server.distributed import SINGLE
     from sluice_server.layers.linear import pack_linear_weights
-    from sluice_server.layers.ops import TorchOps
+    from sluice_kernels.ops import TorchOps
     from sluice_server.models.llama import LlamaMLP
 
     if not can_pack_for_cpu(torch.empty(1, 1, dtype=torch.bfloat16)):

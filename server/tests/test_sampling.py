@@ -456,3 +456,19 @@ def test_logit_bias_built_once_per_request_matches_the_params(logits):
     prebuilt = [SamplingRow(p, [1, 2], 2, logit_bias_tensors(p)) for _ in range(n)]
     assert sample(logits, prebuilt, [EOS]) == plain
     assert all(r.token_id == 40 for r in plain)
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_greedy_sampling_with_and_without_the_kernel(monkeypatch, kernels):
+    """Plain greedy rows go through the C++ argmax_rows once the kernels are
+    loaded, and through torch.max otherwise: the same tokens, ties to the first."""
+    if kernels and not sampling.cpu_kernels.load():
+        pytest.skip(f"CPU kernels not built: {sampling.cpu_kernels.unavailable_reason()}")
+    logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(10))
+    logits[2, 10] = logits[2, 900] = 99.0
+    rows = [SamplingRow(shard_pb2.SamplingParams(), [1, 2], 2, None) for _ in range(6)]
+    asked = []
+    monkeypatch.setattr(sampling.cpu_kernels, "loaded", lambda: asked.append(kernels) or kernels)
+    got = [t.token_id for t in sample(logits, rows, [0])]
+    assert asked == [kernels]
+    assert got == logits.argmax(dim=-1).tolist() and got[2] == 10

@@ -18,9 +18,8 @@ import torch
 
 from sluice_server.pb import shard_pb2, shard_pb2_grpc
 
-from conftest import make_tiny_model
+from conftest import CHECKOUT_PYTHONPATH, make_tiny_model
 
-SERVER_DIR = Path(__file__).resolve().parents[1]
 BLOCK = 4
 # A shard's start may include building the CPU kernels for this checkout
 # (minutes on a busy 2-core machine); only a hang should reach this.
@@ -40,7 +39,7 @@ def server(model_dir):
     sock_dir = tempfile.mkdtemp(prefix="sluice-")
     uds = os.path.join(sock_dir, "shard")
     log_path = os.path.join(sock_dir, "server.log")
-    env = dict(os.environ, PYTHONPATH=str(SERVER_DIR), RANK="0", WORLD_SIZE="1")
+    env = dict(os.environ, PYTHONPATH=CHECKOUT_PYTHONPATH, RANK="0", WORLD_SIZE="1")
     cmd = [sys.executable, "-m", "sluice_server.cli", "serve", str(model_dir), "--uds-path", uds,
            "--kv-cache-bytes", str(64 * 2**20), "--block-size", str(BLOCK), "--num-threads", "1"]
     with open(log_path, "w") as log:
@@ -297,7 +296,7 @@ def test_logprobs_match_reference(model_dir):
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(SERVER_DIR))
+    env = dict(os.environ, PYTHONPATH=CHECKOUT_PYTHONPATH)
     return subprocess.run([sys.executable, "-m", "sluice_server.cli", *args], capture_output=True, text=True,
                           env=env, timeout=START_TIMEOUT_S)
 

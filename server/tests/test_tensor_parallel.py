@@ -16,11 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_tiny_model, reference_logits
+from conftest import CHECKOUT_PYTHONPATH, make_tiny_model, reference_logits
 from sluice_server.distributed import Distributed
 from sluice_server.model_runner import ModelRunner
 
-SERVER_DIR = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "_tp_worker.py"
 TOKENS = [4, 8, 15, 16, 23, 42, 7, 9, 11, 5]
 
@@ -36,7 +35,7 @@ def run_ranks(model_dir: Path, out: Path, world_size: int, tokens: list[int] = T
     procs = []
     for rank in range(world_size):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), PYTHONPATH=str(SERVER_DIR), OMP_NUM_THREADS="1")
+                   MASTER_PORT=str(port), PYTHONPATH=CHECKOUT_PYTHONPATH, OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen(
             [sys.executable, str(WORKER), str(model_dir), str(out), ",".join(map(str, tokens))],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sluice_server.layers.ops import TorchOps
+from sluice_kernels.ops import TorchOps
 
 
 @dataclass

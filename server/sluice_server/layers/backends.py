@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from sluice_server.kernels import triton_interpreting
+from sluice_kernels.triton import triton_interpreting
 from sluice_server.layers.attention import AttentionBackend
 from sluice_server.layers.torch_attention import TorchAttention
 

@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 from sluice_server.batch import Batch
-from sluice_server.layers import cpu_kernels
-from sluice_server.layers.cpu_matmuls import ALL_ROWS
-from sluice_server.layers.ops import CpuOps
+from sluice_kernels import cpu_kernels
+from sluice_kernels.cpu_matmuls import ALL_ROWS
+from sluice_kernels.ops import CpuOps
 
 log = logging.getLogger(__name__)
 

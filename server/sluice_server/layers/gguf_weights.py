@@ -10,7 +10,7 @@ most `max_rows` rows run on them; larger ones (prefill, big decode batches)
 keep the packed dense weights (layers.linear). The kernels read Q4_0, Q4_1,
 Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K, mixed within a layer (every type of
 the Q4_K_M / Q5_K_M / Q6_K files), unpacked once into records
-(gguf_blocks.py) that both arithmetics read.
+(sluice_kernels.gguf_blocks) that both arithmetics read.
 
 Two arithmetics on the blocks (`QuantizedWeight.int8`):
 
@@ -41,38 +41,17 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
+from sluice_kernels import cpu_kernels, gguf_blocks
+from sluice_kernels.gguf_blocks import QuantizedWeight
 from sluice_server.model_folder import SOURCE_FILE
-from sluice_server.layers import cpu_kernels, gguf_blocks
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class QuantizedWeight:
-    """One layer's GGUF blocks in the form its kernel reads."""
-
-    # uint8: the blocks as records (gguf_blocks.pack), rows in the layer's order.
-    data: torch.Tensor
-    # The record layout (gguf_blocks.layout).
-    format: int
-    out_features: int
-    int8: bool
-    # Matmuls of at most this many rows run here; larger ones on the dense weights.
-    max_rows: int
-
-    def handles(self, x: torch.Tensor) -> bool:
-        return x.dim() == 2 and x.shape[0] <= self.max_rows and x.dtype == torch.float32 and x.device.type == "cpu"
-
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        linear = torch.ops.sluice_cpu.q8_linear if self.int8 else torch.ops.sluice_cpu.exact_linear
-        return linear(x, self.data, self.format, self.out_features)
 
 
 def gguf_source(folder: Path) -> Path | None:
@@ -113,7 +92,7 @@ def attach_gguf_weights(model: nn.Module, folder: Path, world_size: int, *, int8
     float32 weights are packed), for matmuls of at most `max_rows` rows, with
     int8 activations or exact; returns how many layers got them."""
     gguf = gguf_source(folder)
-    if gguf is None or world_size != 1 or max_rows <= 0 or not cpu_kernels.load():
+    if gguf is None or world_size != 1 or max_rows <= 0 or not cpu_kernels.loaded():
         return 0
     from gguf import GGUFReader
 

@@ -1,7 +1,7 @@
 """RMSNorm as in Llama: normalize in float32, scale in the model dtype; and
 Gemma's (1 + w) variant.
 
-The arithmetic is the backend's (`layers.ops`): eager torch, or one fused
+The arithmetic is the backend's (`sluice_kernels.ops`): eager torch, or one fused
 Triton kernel that also adds the residual.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sluice_server.layers.ops import TorchOps
+from sluice_kernels.ops import TorchOps
 
 
 class RMSNorm(nn.Module):

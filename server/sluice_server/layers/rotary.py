@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from sluice_server.layers.ops import RotaryTables, rotary_tables
+# RotaryTables is the kernels' form of a step's cos/sin; the models take it from here.
+from sluice_kernels.ops import RotaryTables, rotary_tables
 
 
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
@@ -121,12 +122,6 @@ class RotaryEmbedding:
         self.inv_freq = inverse_frequencies(self.dim, params).to(device)
         self.scaling = attention_scaling(params)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] int64 -> (cos, sin), each [T, 1, D] in `dtype`."""
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
     def tables(self, positions: torch.Tensor) -> RotaryTables:
         """The step's cos/sin for `ops.rotary_` (float32 [T, dim/2])."""
         tables = rotary_tables(positions, self.inv_freq)
@@ -135,9 +130,3 @@ class RotaryEmbedding:
             tables.sin.mul_(self.scaling)
         return tables
 
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated by per-token (cos, sin) [T, 1, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin

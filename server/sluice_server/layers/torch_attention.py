@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from sluice_kernels import cpu_kernels as cpu_kernel_loader
+from sluice_kernels.ops import CpuOps, TorchOps
 from sluice_server.layers.attention import GLOBAL_ATTENTION, AttentionBackend, AttentionMetadata
-from sluice_server.layers.ops import CpuOps, TorchOps
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
@@ -62,8 +63,8 @@ class TorchAttention(AttentionBackend):
 
     def __init__(self, cpu_kernels: bool = False):
         # On CPU, float32 decodes and the small ops go through the C++
-        # kernels (layers.cpu_kernels) when they could be built.
-        self.cpu_kernels = cpu_kernels and cpu_kernels_module().load()
+        # kernels (sluice_kernels.cpu_kernels) when they could be built.
+        self.cpu_kernels = cpu_kernels and cpu_kernel_loader.load()
         self.ops = CpuOps() if self.cpu_kernels else TorchOps()
 
     def _use_kernel(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -126,7 +127,7 @@ class TorchAttention(AttentionBackend):
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd and self._use_kernel(q, k_cache):
-            cpu_kernels_module().paged_decode_attention(
+            cpu_kernel_loader.paged_decode_attention(
                 out[:nd], q[:nd], k_cache, v_cache, state["decode_tables"], meta.seq_lens[:nd],
                 dim**-0.5 if scale is None else scale, window,
             )
@@ -153,9 +154,3 @@ class TorchAttention(AttentionBackend):
             )
             out[start:end] = o.transpose(0, 1)
         return out
-
-
-def cpu_kernels_module():
-    from sluice_server.layers import cpu_kernels
-
-    return cpu_kernels

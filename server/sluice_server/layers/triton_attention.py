@@ -1,10 +1,10 @@
 """The Triton attention backend: the same contract as `TorchAttention`, on kernels.
 
 Per layer: the new k/v go into the paged cache through the slot mapping
-(`kernels.reshape_and_cache`), then one kernel launch computes attention for
+(`sluice_kernels.triton.reshape_and_cache`), then one kernel launch computes attention for
 the decodes (split-KV when few long sequences would leave the GPU idle) and
 one for the prefill chunks, both reading keys only from the cache
-(`kernels.paged_attention`). The tile plan depends only on the batch and the
+(`sluice_kernels.triton.paged_attention`). The tile plan depends only on the batch and the
 head counts, so it is built once per step, by the first layer, and reused.
 """
 
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from sluice_server.kernels.paged_attention import AttentionPlan, paged_attention, plan_attention
-from sluice_server.kernels.reshape_and_cache import reshape_and_cache
+from sluice_kernels.ops import TritonOps
+from sluice_kernels.triton.paged_attention import AttentionPlan, paged_attention, plan_attention
+from sluice_kernels.triton.reshape_and_cache import reshape_and_cache
 from sluice_server.layers.attention import GLOBAL_ATTENTION, AttentionBackend, AttentionMetadata
-from sluice_server.layers.ops import TritonOps
 
 
 class TritonAttention(AttentionBackend):

@@ -32,8 +32,7 @@ from sluice_server.layers.attention import AttentionBackend, AttentionMetadata, 
 from sluice_server.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from sluice_server.layers.linear import ColumnParallelLinear, RowParallelLinear
 from sluice_server.layers.norm import RMSNorm
-from sluice_server.layers.ops import RotaryTables
-from sluice_server.layers.rotary import RotaryEmbedding, rope_parameters
+from sluice_server.layers.rotary import RotaryEmbedding, RotaryTables, rope_parameters
 
 
 @dataclass(frozen=True)

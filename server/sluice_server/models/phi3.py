@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from sluice_server.layers.ops import RotaryTables
-from sluice_server.layers.rotary import rotary_dim
+from sluice_server.layers.rotary import RotaryTables, rotary_dim
 from sluice_server.models.llama import LlamaAttention, LlamaForCausalLM
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from sluice_server.layers.norm import RMSNorm
-from sluice_server.layers.ops import RotaryTables
+from sluice_server.layers.rotary import RotaryTables
 from sluice_server.models.llama import LlamaAttention, LlamaForCausalLM
 
 

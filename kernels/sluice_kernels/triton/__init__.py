@@ -2,7 +2,7 @@
 
 One module per kernel; each holds the `@triton.jit` kernel, a launcher that
 checks the layout it expects, and `*_reference`, a plain-torch function with
-the launcher's signature that the tests (`server/kernel_tests/`) compare it
+the launcher's signature that the tests (`kernels/tests/`) compare it
 with (README.md here has the design, the tolerances and GPU timings):
 
 - `paged_attention`   - attention over the paged KV cache for a mixed batch

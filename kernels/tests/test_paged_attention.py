@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sluice_server.kernels.paged_attention import (
+from sluice_kernels.triton.paged_attention import (
     choose_num_splits,
     paged_attention,
     paged_attention_reference,
     plan_attention,
 )
-from sluice_server.kernels.reshape_and_cache import reshape_and_cache
+from sluice_kernels.triton.reshape_and_cache import reshape_and_cache
 
 from .kernel_cases import TOLERANCES, dense_attention, make_batch
 

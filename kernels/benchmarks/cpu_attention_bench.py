@@ -8,8 +8,8 @@ sequence the same first blocks (a 1,024-token system prompt, as the
 shared-prefix workload has). A row prints each dtype's time for one decode
 step through all layers and the K/V bytes it reads over that time.
 
-    python benchmarks/cpu_attention_bench.py
-    python benchmarks/cpu_attention_bench.py --cases 32x300,8x1088 --repeats 20
+    python kernels/benchmarks/cpu_attention_bench.py
+    python kernels/benchmarks/cpu_attention_bench.py --cases 32x300,8x1088 --repeats 20
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # kernels/: this checkout's sluice_kernels
 
-from sluice_server.layers import cpu_kernels  # noqa: E402
+from sluice_kernels import cpu_kernels  # noqa: E402
 
 HQ, HKV, D, BS, LAYERS = 9, 3, 64, 16, 30
 SHARED = 1024

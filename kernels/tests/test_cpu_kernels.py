@@ -1,21 +1,24 @@
-"""The C++ CPU kernels (`sluice_server/csrc`, loaded by layers.cpu_kernels)
-against the plain-torch code they replace: TorchAttention's gather + SDPA
-decode path, and TorchOps' RMSNorm, rotary and SiLU-and-mul. The matmuls on
-GGUF blocks have their own module, test_cpu_q8_linear.py.
+"""The C++ CPU kernels (`sluice_kernels/csrc`, loaded by `cpu_kernels`)
+against plain-torch references: decode attention against a dense float64
+softmax(QK^T)V over the un-paged keys (`kernel_cases.dense_attention`), and
+`ops.CpuOps`' RMSNorm, rotary and SiLU-and-mul against `ops.TorchOps`, the
+torch code they replace. The matmuls on GGUF blocks have their own module,
+test_cpu_q8_linear.py.
 
 scripts/install.sh installs the C++ compiler they need, so in CI this module
 never skips."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from sluice_server.layers import cpu_kernels
-from sluice_server.layers.attention import AttentionMetadata, LayerAttention
-from sluice_server.layers.torch_attention import TorchAttention
-from sluice_server.layers.ops import CpuOps, TorchOps, rotary_tables
-from sluice_server.layers.rotary import inverse_frequencies
+from sluice_kernels import cpu_kernels
+from sluice_kernels.ops import CpuOps, TorchOps, rotary_tables
+
+from .kernel_cases import TOLERANCES, dense_attention, make_batch
 
 
 # Skipped only where the kernels cannot be built at all (no compiler, no
@@ -29,27 +32,21 @@ def randn(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-def decode_meta(seq_lens: list[int], block_size: int, num_blocks: int, seed: int) -> AttentionMetadata:
-    """Decode-only metadata with each sequence's blocks scattered over the cache."""
-    need = [-(-n // block_size) for n in seq_lens]
-    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
-    width = max(need) + 2  # wider than needed: the kernel must stop at seq_len
-    tables, used = [], 0
-    for n in need:
-        tables.append(perm[used : used + n] + [0] * (width - n))
-        used += n
-    lens = torch.tensor(seq_lens)
-    # Each new token's k/v goes to the last position of its sequence.
-    slots = [t[(n - 1) // block_size] * block_size + (n - 1) % block_size for t, n in zip(tables, seq_lens)]
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots),
-        query_start_loc=torch.arange(len(seq_lens) + 1),
-        seq_lens=lens,
-        block_tables=torch.tensor(tables),
-        num_decodes=len(seq_lens),
-        block_size=block_size,
-        query_lens_list=[1] * len(seq_lens),
-        seq_lens_list=seq_lens,
+def decode_batch(seq_lens: list[int], hq: int, hkv: int, dim: int, cache_dtype: torch.dtype, seed: int):
+    """A decode step (one new token per sequence) with its k/v already in a
+    cache of `cache_dtype` (the model writes them before attending), blocks
+    scattered and never-written slots NaN, plus the dense reference's view of
+    the same keys (rounded to the cache's dtype, as the kernel reads them)."""
+    batch = make_batch([(n - 1, 1) for n in seq_lens], hq, hkv, dim, 16, torch.float32, seed, torch.device("cpu"))
+    for cache, new in ((batch.k_cache, batch.k_new), (batch.v_cache, batch.v_new)):
+        cache.view(-1, hkv, dim)[batch.slot_mapping] = new
+    rounded = lambda ts: [t.to(cache_dtype).float() for t in ts]  # noqa: E731
+    return dataclasses.replace(
+        batch,
+        k_cache=batch.k_cache.to(cache_dtype),
+        v_cache=batch.v_cache.to(cache_dtype),
+        keys=rounded(batch.keys),
+        values=rounded(batch.values),
     )
 
 
@@ -60,45 +57,36 @@ def decode_meta(seq_lens: list[int], block_size: int, num_blocks: int, seed: int
 @pytest.mark.parametrize("seq_lens", [[1], [5, 17, 16, 33], [300, 2, 129], [1000]])
 @pytest.mark.parametrize("window", [None, 1, 16, 100])  # sliding windows: from a block boundary and mid-block
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-def test_paged_decode_attention_matches_sdpa(hq, hkv, dim, seq_lens, window, cache_dtype):
-    """Against gather + SDPA in float32. A bfloat16 cache holds the same
-    values for both (the reference widens what it gathers, the kernel each
-    row it reads), so the tolerance is float32's either way."""
-    block_size = 16
-    meta = decode_meta(seq_lens, block_size, num_blocks=64, seed=len(seq_lens))
-    k_cache = randn(64, block_size, hkv, dim, seed=1).to(cache_dtype)
-    v_cache = randn(64, block_size, hkv, dim, seed=2).to(cache_dtype)
-    # q as a strided view of a fused qkv output, the way the model passes it.
-    qkv = randn(len(seq_lens), (hq + 2 * hkv) * dim, seed=3)
+def test_paged_decode_attention_matches_dense_attention(hq, hkv, dim, seq_lens, window, cache_dtype):
+    """Against float64 attention over the un-paged keys. A bfloat16 cache
+    holds the same values for both (the reference reads the keys rounded as
+    the cache holds them, the kernel widens each row it reads), so the
+    tolerance is float32's either way. q is a strided view of a fused qkv
+    output, the way the model passes it."""
+    batch = decode_batch(seq_lens, hq, hkv, dim, cache_dtype, seed=len(seq_lens) + dim)
+    qkv = torch.cat([batch.q.reshape(len(seq_lens), -1), randn(len(seq_lens), 2 * hkv * dim, seed=3)], dim=1)
     q = qkv[:, : hq * dim].view(len(seq_lens), hq, dim)
-    k = qkv[:, hq * dim : (hq + hkv) * dim].view(len(seq_lens), hkv, dim)
-    v = qkv[:, (hq + hkv) * dim :].view(len(seq_lens), hkv, dim)
-    reference, kernel = TorchAttention(cpu_kernels=False), TorchAttention(cpu_kernels=True)
-    assert kernel.cpu_kernels and not reference.cpu_kernels
-    outs = []
-    for backend in (reference, kernel):
-        meta.backend_state = {}
-        backend.prepare(meta)
-        outs.append(backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, LayerAttention(sliding_window=window)))
-    torch.testing.assert_close(outs[1], outs[0], atol=2e-6, rtol=1e-5)
+    out = torch.full_like(batch.q, float("nan"))
+    cpu_kernels.paged_decode_attention(
+        out, q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, dim**-0.5, window
+    )
+    torch.testing.assert_close(out.double(), dense_attention(batch, window), **TOLERANCES[torch.float32])
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 def test_paged_decode_attention_does_not_depend_on_the_batch(cache_dtype):
     """A sequence's result is bitwise the same alone and among others (its
     keys are split into parts by its own length only)."""
-    hq, hkv, dim, block_size = 9, 3, 64, 16
+    hq, hkv, dim = 9, 3, 64
     seq_lens = [700, 3, 130, 257]
-    meta = decode_meta(seq_lens, block_size, num_blocks=128, seed=7)
-    k_cache = randn(128, block_size, hkv, dim, seed=1).to(cache_dtype)
-    v_cache = randn(128, block_size, hkv, dim, seed=2).to(cache_dtype)
-    q = randn(len(seq_lens), hq, dim, seed=3)
+    batch = decode_batch(seq_lens, hq, hkv, dim, cache_dtype, seed=7)
+    q, tables, lens = batch.q, batch.block_tables, batch.seq_lens
     out = torch.empty_like(q)
     op = torch.ops.sluice_cpu.paged_decode_attention
-    op(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, dim**-0.5)
+    op(out, q, batch.k_cache, batch.v_cache, tables, lens, dim**-0.5)
     for i in range(len(seq_lens)):
         alone = torch.empty_like(q[i : i + 1])
-        op(alone, q[i : i + 1], k_cache, v_cache, meta.block_tables[i : i + 1], meta.seq_lens[i : i + 1], dim**-0.5)
+        op(alone, q[i : i + 1], batch.k_cache, batch.v_cache, tables[i : i + 1], lens[i : i + 1], dim**-0.5)
         assert torch.equal(alone, out[i : i + 1])
 
 
@@ -138,7 +126,8 @@ def test_rotary_in_place_on_fused_qkv_views(rows):
     hq, hkv, dim = 9, 3, 64
     qkv = randn(rows, (hq + 2 * hkv) * dim, seed=4)
     positions = torch.randint(0, 4000, (rows,), generator=torch.Generator().manual_seed(5))
-    tables = rotary_tables(positions, inverse_frequencies(dim, {"rope_theta": 100000.0, "rope_type": "default"}))
+    inv_freq = 1.0 / (100000.0 ** (torch.arange(0, dim, 2).float() / dim))
+    tables = rotary_tables(positions, inv_freq)
     want = qkv.clone()
     for ops, buf in ((TorchOps(), want), (CpuOps(), qkv)):
         q = buf[:, : hq * dim].view(rows, hq, dim)
@@ -176,23 +165,6 @@ def test_argmax_rows_is_torch_max(rows, vocab):
     want_values, want_indices = x.max(dim=-1)
     assert torch.equal(indices, want_indices)
     torch.testing.assert_close(values, want_values, atol=0, rtol=0, equal_nan=True)
-
-
-@pytest.mark.parametrize("kernels", [True, False])
-def test_greedy_sampling_with_and_without_the_kernel(monkeypatch, kernels):
-    """Plain greedy rows go through argmax_rows once the kernels are loaded,
-    and through torch.max otherwise: the same tokens, ties to the first."""
-    from sluice_server import sampling
-    from sluice_server.pb import shard_pb2
-
-    logits = randn(6, 1000, seed=10)
-    logits[2, 10] = logits[2, 900] = 99.0
-    rows = [sampling.SamplingRow(shard_pb2.SamplingParams(), [1, 2], 2, None) for _ in range(6)]
-    asked = []
-    monkeypatch.setattr(sampling.cpu_kernels, "loaded", lambda: asked.append(kernels) or kernels)
-    got = [t.token_id for t in sampling.sample(logits, rows, [0])]
-    assert asked == [kernels]
-    assert got == logits.argmax(dim=-1).tolist() and got[2] == 10
 
 
 def test_other_dtypes_take_the_torch_path():

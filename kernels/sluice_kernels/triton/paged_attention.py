@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sluice_server.kernels import triton_interpreting
+from sluice_kernels.triton import triton_interpreting
 
 LOG2E = 1.4426950408889634
 # Decode launch settings (see TileLaunch).

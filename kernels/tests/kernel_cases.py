@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sluice_server.kernels import triton_interpreting
+from sluice_kernels.triton import triton_interpreting
 
 
 def device() -> torch.device:

@@ -1,4 +1,4 @@
-"""The shard's own CPU kernels (C++, `sluice_server/csrc/`), built on first use.
+"""The CPU kernels (C++, `csrc/` beside this file), built on first use.
 
 torch's extension loader compiles the sources with the machine's C++ compiler
 (`-march=native`: the build is for this CPU) into torch's extension cache
@@ -18,15 +18,17 @@ tests), not quietly turn into the slower fallback.
         bfloat16), optionally over a sliding window (cpu_attention.cpp)
     rms_norm(x, residual, weight, eps) -> (normed, sum); rotary_(q, k, cos, sin);
     silu_mul(x): the small ops of a layer, one pass each (cpu_ops.cpp), used by
-        layers.ops.CpuOps
+        ops.CpuOps
     argmax_rows(x) -> (max, index): torch.max(x, -1) for greedy sampling
         (cpu_ops.cpp), used by sampling once the kernels are loaded
     q8_pack(sw, cw, wq, layout); q8_linear(x, packed, layout, out_features, isa=0);
         exact_linear(...): matmuls on GGUF blocks of many types (unpacked by
-        layers.gguf_blocks), with int8 activations or expanded to float32
-        (cpu_q8_linear.cpp); see layers.gguf_weights
+        gguf_blocks), with int8 activations or expanded to float32
+        (cpu_q8_linear.cpp), each call on the best instruction set this CPU
+        has (`isa_path()` names it)
     torch.classes.sluice_cpu.LlamaDecoder: a decode step through every layer
-        in one call (cpu_decoder.cpp), see layers.cpu_decoder
+        in one call (cpu_decoder.cpp), driven by the Llama model's
+        `sluice_server.models.llama_cpu_decoder`
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-CSRC = Path(__file__).resolve().parents[1] / "csrc"
+CSRC = Path(__file__).resolve().parent / "csrc"
 NAME = "sluice_cpu_ops"  # the build's folder under TORCH_EXTENSIONS_DIR
 SOURCES = [
     CSRC / "cpu_attention.cpp",
@@ -114,6 +116,25 @@ def loaded() -> bool:
     """True once load() succeeded; never builds (for callers that only use
     the kernels where the shard already loaded them)."""
     return _state.get("ok", False)
+
+
+# The instruction-set paths of the block matmuls (cpu_q8_linear.cpp's isa
+# codes; 0 asks for the best this CPU has). "portable" is plain C++ that any
+# CPU runs.
+ISA_NAMES = {4: "avx512_vnni", 3: "avx_vnni", 2: "avx2", 1: "portable"}
+FAST_ISAS = (4, 3, 2)
+
+
+def host_isas() -> list[int]:
+    """The isa codes this CPU runs, best first (needs the kernels loaded)."""
+    return list(torch.ops.sluice_cpu.q8_isas())
+
+
+def isa_path() -> str:
+    """The path the block matmuls take on this CPU (a name of ISA_NAMES), or
+    "none" when the kernels are not loaded. Decode attention and the small
+    ops are compiled for the host (-march=native): AVX-512 where it has it."""
+    return ISA_NAMES[host_isas()[0]] if loaded() else "none"
 
 
 def load() -> bool:

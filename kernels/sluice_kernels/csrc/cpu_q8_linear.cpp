@@ -5,7 +5,7 @@
 // once per call, per block:  dx = max|x| / 127,  xq = round(x / dx) (int8),
 // sx = dx * sum(xq) (and the same over each half of 16).  Weights: every GGUF
 // format read here is, per run of 32 weights of a row (of 16 for Q6_K),
-// w = sw * wq + cw  with wq unsigned (layers/gguf_blocks.py unpacks each
+// w = sw * wq + cw  with wq unsigned (gguf_blocks.py unpacks each
 // format into that form), so that, per output and block,
 //   sum_j w_j x_j  ~  sw * dx * dot(wq, xq)  +  cw * sx
 // where dot(u8, s8) is exact in int32 (VPDPBUSD / PMADDWD); with a pair per
@@ -44,7 +44,7 @@
 // applied after it, measured slower than this kernel at every row count on a
 // Sapphire Rapids host, and slower than oneDNN's bf16 AMX from 16 rows: the
 // per-block scaling, not the tile unit, bounds it. Larger steps therefore use
-// the dense bf16 weights instead; see layers/cpu_matmuls.py.)
+// the dense bf16 weights instead; see cpu_matmuls.py.)
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -464,7 +464,7 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_avx2(const Args& a, 
 // ---------------------------------------------------------------------------
 // Float activations on the same records (the exact path, --dtype float32):
 // each record is expanded in registers to w = sw * wq + cw, the float32
-// weight the layer holds (layers/gguf_blocks.Records.expand): sw * wq needs
+// weight the layer holds (gguf_blocks.Records.expand): sw * wq needs
 // at most 24 bits (fp16 d: 11, a K-quant scale: 7, wq: 6 with it, 8 without
 // one), so it is exact and one fused multiply-add rounds once, as the
 // separate product and sum do. Each expanded weight vector (one value of the

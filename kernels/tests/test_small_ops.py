@@ -1,17 +1,17 @@
 """RMSNorm(+residual), rotary, SiLU-and-mul and reshape-and-cache against
-their torch references (and the model layers' own torch code where it exists)."""
+their torch references (and the torch ops the model layers run, `ops.TorchOps`,
+where they exist)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from sluice_server.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_reference
-from sluice_server.kernels.rms_norm import rms_norm, rms_norm_reference
-from sluice_server.kernels.rotary import cos_sin_cache, rotary_embedding_, rotary_embedding_reference_
-from sluice_server.kernels.silu_mul import silu_mul, silu_mul_reference
-from sluice_server.layers.norm import RMSNorm
-from sluice_server.layers.rotary import RotaryEmbedding, apply_rotary
+from sluice_kernels.triton.reshape_and_cache import reshape_and_cache, reshape_and_cache_reference
+from sluice_kernels.triton.rms_norm import rms_norm, rms_norm_reference
+from sluice_kernels.triton.rotary import cos_sin_cache, rotary_embedding_, rotary_embedding_reference_
+from sluice_kernels.triton.silu_mul import silu_mul, silu_mul_reference
+from sluice_kernels.ops import TorchOps, rotary_tables
 
 from .kernel_cases import TOLERANCES, device
 
@@ -24,6 +24,11 @@ def rounding_tolerance(dtype):
     if dtype == torch.bfloat16 and device().type == "cpu":
         return TOLERANCES[dtype]
     return dict(atol=0, rtol=0)
+
+
+def inverse_frequencies(head_dim: int, theta: float = 10000.0) -> torch.Tensor:
+    """Default rotary frequencies theta^(-2i/D), float32 [D/2]."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device()).float() / head_dim))
 
 
 def randn(*shape, dtype=torch.float32, seed=0):
@@ -46,10 +51,8 @@ def test_rms_norm(dtype, hidden, with_residual):
     torch.testing.assert_close(res, want_res, **rounding_tolerance(dtype))
     # One rounding step of the dtype, from a different rsqrt.
     torch.testing.assert_close(out, want_out, **TOLERANCES[dtype])
-    # And the model layer's own torch RMSNorm agrees.
-    layer = RMSNorm(hidden, 1e-5).to(device())
-    layer.weight.data = weight.clone()
-    layer_out, layer_res = layer(x, residual)
+    # And the torch RMSNorm the model layers run agrees.
+    layer_out, layer_res = TorchOps().rms_norm(x, weight, 1e-5, residual)
     torch.testing.assert_close(out, layer_out, **TOLERANCES[dtype])
     torch.testing.assert_close(res, layer_res, **rounding_tolerance(dtype))
 
@@ -75,8 +78,8 @@ def test_rotary_in_place(dtype, head_dim, num_q_heads, num_kv_heads):
     qkv = randn(tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, seed=head_dim)
     q = qkv[:, : num_q_heads * head_dim].view(tokens, num_q_heads, head_dim)
     k = qkv[:, num_q_heads * head_dim : (num_q_heads + num_kv_heads) * head_dim].view(tokens, num_kv_heads, head_dim)
-    rope = RotaryEmbedding(head_dim, {"rope_theta": 10000.0, "rope_type": "default"}, device())
-    cos, sin = cos_sin_cache(rope.inv_freq, 5000)
+    inv_freq = inverse_frequencies(head_dim)
+    cos, sin = cos_sin_cache(inv_freq, 5000)
     positions = torch.tensor([0, 1, 17, 1000, 4999, 3], device=device())
     q_ref, k_ref = q.clone(), k.clone()
     untouched = qkv[:, (num_q_heads + num_kv_heads) * head_dim :].clone()
@@ -85,13 +88,14 @@ def test_rotary_in_place(dtype, head_dim, num_q_heads, num_kv_heads):
     torch.testing.assert_close(q, q_ref, **TOLERANCES[dtype])
     torch.testing.assert_close(k, k_ref, **TOLERANCES[dtype])
     assert torch.equal(qkv[:, (num_q_heads + num_kv_heads) * head_dim :], untouched), "v must not change"
-    # The model's rotary (transformers' rotate_half form) gives the same, in float32.
+    # The torch rotary the model layers run (rotate-half on the step's own
+    # tables) gives the same, in float32.
     if dtype == torch.float32:
         original = randn(tokens, num_q_heads, head_dim, seed=99)
-        rotated = original.clone()
+        rotated, want = original.clone(), original.clone()
         rotary_embedding_(positions, rotated, original[:, :num_kv_heads].clone(), cos, sin)
-        c, s = rope.cos_sin(positions, torch.float32)
-        torch.testing.assert_close(rotated, apply_rotary(original, c, s), atol=1e-4, rtol=1e-4)
+        TorchOps().rotary_(want, original[:, :num_kv_heads].clone(), rotary_tables(positions, inv_freq))
+        torch.testing.assert_close(rotated, want, atol=1e-4, rtol=1e-4)
 
 
 def test_rotary_bad_shapes():
@@ -162,7 +166,7 @@ def test_gpu_large_small_ops(dtype):
     gu = randn(tokens, 2 * inter, dtype=dtype, seed=2)
     torch.testing.assert_close(silu_mul(gu), silu_mul_reference(gu), **TOLERANCES[dtype])
     q, k = randn(tokens, 32, 128, dtype=dtype), randn(tokens, 8, 128, dtype=dtype, seed=3)
-    cos, sin = cos_sin_cache(1.0 / (10000 ** (torch.arange(0, 128, 2, device=device()) / 128)), 8192)
+    cos, sin = cos_sin_cache(inverse_frequencies(128), 8192)
     pos = torch.randint(0, 8192, (tokens,), device=device())
     q2, k2 = q.clone(), k.clone()
     rotary_embedding_(pos, q, k, cos, sin)

@@ -2,15 +2,15 @@
 
 The model code calls these through its layers (RMSNorm, the rotary step
 tables, the MLP); which implementation runs is decided once, by the attention
-backend the shard selected (`layers.backends.get_backend`), so the model file
-is the same for both:
+backend the shard selected (its `layers.backends.get_backend`), so the model
+file is the same for all:
 
     TorchOps   - the reference: eager torch.
-    CpuOps     - CPU: float32 through the C++ kernels of `layers.cpu_kernels`
+    CpuOps     - CPU: float32 through the C++ kernels of `cpu_kernels`
                  (one pass per op), else TorchOps.
     TritonOps  - CUDA, or CPU under TRITON_INTERPRET=1: the kernels of
-                 `sluice_server.kernels` (rms_norm with the residual add fused,
-                 rotary in place on q and k, silu_mul).
+                 `sluice_kernels.triton` (rms_norm with the residual add
+                 fused, rotary in place on q and k, silu_mul).
 
 Rotary tables: both compute the cos/sin of the step's own positions once per
 step (T x D/2 floats, shared by every layer), so no table over the whole
@@ -96,7 +96,7 @@ def _cpu_f32(*tensors: torch.Tensor) -> bool:
 
 class CpuOps(TorchOps):
     """TorchOps with float32 CPU tensors sent to the C++ kernels of
-    `layers.cpu_kernels` (one pass each); anything else takes the torch path.
+    `cpu_kernels` (one pass each); anything else takes the torch path.
     Built only once `cpu_kernels.load()` succeeded."""
 
     name = "cpu"
@@ -119,9 +119,9 @@ class TritonOps(TorchOps):
 
     def __init__(self):
         # Imported here: the CPU path never imports triton.
-        from sluice_server.kernels.rms_norm import rms_norm
-        from sluice_server.kernels.rotary import rotary_embedding_
-        from sluice_server.kernels.silu_mul import silu_mul
+        from sluice_kernels.triton.rms_norm import rms_norm
+        from sluice_kernels.triton.rotary import rotary_embedding_
+        from sluice_kernels.triton.silu_mul import silu_mul
 
         self._rms_norm, self._rotary, self._silu_mul = rms_norm, rotary_embedding_, silu_mul
 

@@ -1,8 +1,8 @@
 """Which arithmetic the CPU shard's matrix multiplies use, decided once at load.
 
-A linear layer on CPU can hold up to two forms of its weight (layers.linear):
-GGUF blocks for matmuls of few rows (layers.gguf_weights) and a dense weight
-packed for oneDNN for the rest. The plan says which forms and dtypes:
+A linear layer on CPU can hold up to two forms of its weight (the shard's
+layers.linear): GGUF blocks for matmuls of few rows (gguf_blocks.QuantizedWeight)
+and a dense weight packed for oneDNN for the rest. The plan says which forms and dtypes:
 
     --dtype      GGUF model + CPU kernels               otherwise
     auto         int8 activations on the blocks for      the dense weights in

@@ -1,13 +1,14 @@
 """Times each Triton kernel against a torch baseline on one GPU (not a test).
 
-    python benchmarks/kernel_bench.py [--out results.json] [--dtype bfloat16]
+    python kernels/benchmarks/kernel_bench.py [--out results.json] [--dtype bfloat16]
 
 Decode attention also reports its achieved memory bandwidth (the K/V bytes it
 must read, over its time) as a fraction of the device's copy bandwidth,
 measured in the same run by copying a large tensor. Shapes are Llama-3-8B's
 attention (32 query heads, 8 KV heads, head_dim 128) and MLP (4096 / 14336).
-Baselines: the torch attention backend (gather the pages, then SDPA) and the
-kernels' plain-torch references; "speedup" is baseline time / Triton time.
+Baselines: the shard's torch attention backend (gather the pages, then SDPA;
+the one place this imports the server package) and the kernels' plain-torch
+references; "speedup" is baseline time / Triton time.
 For uniform batches, "dense SDPA" also times torch's fused SDPA on K/V that is
 already contiguous (no paging, no gather): the bar a paged kernel aims at.
 Finishes in a few minutes; exits with a message when no CUDA device exists.
@@ -85,7 +86,7 @@ def paged_batch(seqs, dtype):
 
 
 def bench_attention(name, seqs, dtype, copy_bw, rows):
-    from sluice_server.kernels.paged_attention import paged_attention, plan_attention
+    from sluice_kernels.triton.paged_attention import paged_attention, plan_attention
     from sluice_server.layers.torch_attention import TorchAttention
     from sluice_server.layers.triton_attention import TritonAttention
 
@@ -143,7 +144,7 @@ def sdpa_dense_ms(meta, q, k_cache, v_cache) -> float | None:
 
 def sweep_attention(dtype, rows):
     """Launch settings per case, best first; a guide for DECODE_CONFIG/PREFILL_CONFIG."""
-    from sluice_server.kernels.paged_attention import paged_attention, plan_attention
+    from sluice_kernels.triton.paged_attention import paged_attention, plan_attention
 
     cases = [
         ("decode b=1 ctx=32768", [(32767, 1)], "decode"),
@@ -176,10 +177,10 @@ def sweep_attention(dtype, rows):
 
 
 def bench_small_ops(dtype, rows):
-    from sluice_server.kernels import reshape_and_cache as rc
-    from sluice_server.kernels import rms_norm as rn
-    from sluice_server.kernels import rotary as ro
-    from sluice_server.kernels import silu_mul as sm
+    from sluice_kernels.triton import reshape_and_cache as rc
+    from sluice_kernels.triton import rms_norm as rn
+    from sluice_kernels.triton import rotary as ro
+    from sluice_kernels.triton import silu_mul as sm
 
     t, hidden, inter = 4096, 4096, 14336
     dev = "cuda"
@@ -240,9 +241,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.py needs a CUDA GPU (none found); the kernels' correctness tests run on CPU: "
-              "python -m pytest server/kernel_tests -q", file=sys.stderr)
+              "python -m pytest kernels/tests -q", file=sys.stderr)
         return 2
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "server"))
+    repo = Path(__file__).resolve().parents[2]
+    sys.path[:0] = [str(repo / "kernels"), str(repo / "server")]
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
     copy_bw = copy_bandwidth(args.copy_gib)

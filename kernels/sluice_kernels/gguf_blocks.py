@@ -21,13 +21,18 @@ is the form csrc/cpu_q8_linear.cpp multiplies with int8 activations:
                              an int8 scale per 16, d
 
 (d, m, dmin are fp16.) sw * wq + cw is the gguf package's dequantized weight
-bit for bit (server/kernel_tests/test_cpu_q8_linear.py checks every type).
+bit for bit (kernels/tests/test_cpu_q8_linear.py checks every type).
 All but Q6_K have one (sw, cw) per 32 weights.
 
 `layout` chooses the record layout of a layer: one scale pair per 32
 weights where its types have that (4-bit weights if every wq fits in 4 bits,
 fp16 scales where fp16 holds every sw and cw exactly, as for all the
 32-weight types, else fp32), else a pair per 16 (Q6_K, alone or mixed).
+
+`QuantizedWeight` is one layer's packed records with the matmul that reads
+them: `q8_linear` (int8 activations, llama.cpp's arithmetic) or
+`exact_linear` (each record expanded to the float32 weight in registers).
+Which layers get one is the shard's decision (its layers.gguf_weights).
 """
 
 from __future__ import annotations
@@ -167,3 +172,25 @@ def pack(records: Records, layout_code: int) -> torch.Tensor:
         torch.from_numpy(np.ascontiguousarray(records.wq, dtype=np.uint8)),
         layout_code,
     )
+
+
+@dataclass
+class QuantizedWeight:
+    """One layer's GGUF blocks in the form its kernel reads."""
+
+    # uint8: the blocks as records (pack), rows in the layer's order.
+    data: torch.Tensor
+    # The record layout (layout()).
+    format: int
+    out_features: int
+    # Activations quantized to int8 (q8_linear), else the exact expansion.
+    int8: bool
+    # Matmuls of at most this many rows run here; larger ones on the dense weights.
+    max_rows: int
+
+    def handles(self, x: torch.Tensor) -> bool:
+        return x.dim() == 2 and x.shape[0] <= self.max_rows and x.dtype == torch.float32 and x.device.type == "cpu"
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        linear = torch.ops.sluice_cpu.q8_linear if self.int8 else torch.ops.sluice_cpu.exact_linear
+        return linear(x, self.data, self.format, self.out_features)

@@ -9,22 +9,17 @@ run, split-KV included."""
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from sluice_server.batch import RequestState, Work
-from sluice_server.layers.ops import TritonOps
+from sluice_kernels.ops import TritonOps
 from sluice_server.model_runner import ModelRunner
 from sluice_server.pb import shard_pb2
 
-from .kernel_cases import device
-
-# The tiny-model builder of the shard's tests.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from conftest import make_tiny_model, reference_logits  # noqa: E402
+from conftest import make_tiny_model, reference_logits
+from conftest import triton_device as device
 
 KINDS = ["llama", "mistral", "qwen3", "gemma3", "phi3"]
 
@@ -33,7 +28,7 @@ KINDS = ["llama", "mistral", "qwen3", "gemma3", "phi3"]
 def test_family_on_triton_matches_transformers(tmp_path, kind):
     folder = make_tiny_model(tmp_path, kind, seed=KINDS.index(kind))
     # Through the shard's own selection: on CPU "triton" is allowed because
-    # the kernel tests run under TRITON_INTERPRET=1.
+    # these tests run under TRITON_INTERPRET=1 (conftest.py).
     runner = ModelRunner(folder, dtype="float32", device=str(device()), block_size=4, attention_backend="triton")
     assert runner.backend.name == "triton" and isinstance(runner.backend.ops, TritonOps)
     # Every layer dispatches to the fused kernels, not to torch.

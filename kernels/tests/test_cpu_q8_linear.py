@@ -1,6 +1,7 @@
 """The matmuls on GGUF blocks (`csrc/cpu_q8_linear.cpp`), for every kernel
-this host can run (AVX-512 VNNI, AVX-VNNI, AVX2, scalar) and every block type
-and record layout, in both arithmetics on the same packed records:
+this host can run (AVX-512 VNNI, AVX-VNNI, AVX2, and the portable C++ that
+every host runs) and every block type and record layout, in both arithmetics
+on the same packed records:
 
 - int8 activations (`q8_linear`) against a plain-torch reference of the same
   arithmetic;
@@ -10,7 +11,7 @@ and record layout, in both arithmetics on the same packed records:
 The kernels differ from their reference only in float summation order, and a
 row's result does not depend on the other rows of its matmul.
 
-The blocks' unpacking into (sw, cw, wq) (layers/gguf_blocks.py) is checked
+The blocks' unpacking into (sw, cw, wq) (gguf_blocks.py) is checked
 against the gguf package's dequantizer first. The reference
 (`reference_q8_linear`) spells the arithmetic out: each row of x is quantized
 per block of 32 (dx = max|x| / 127, xq = round(x / dx)), and
@@ -27,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 
-from sluice_server.layers import cpu_kernels, gguf_blocks
+from sluice_kernels import cpu_kernels, gguf_blocks
 
 from .kernel_cases import random_blocks
 
@@ -37,19 +38,18 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="the CPU kernels 
 # (0: 4-bit weights, fp16 scales; 1: 8-bit, fp16; 2: 4-bit, fp32; 3: 8-bit,
 # fp32; 4: 8-bit, a fp32 scale pair per 16 weights).
 LAYOUTS = {"Q4_0": 0, "Q4_1": 0, "Q5_0": 1, "Q5_1": 1, "Q8_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4}
-ISA_NAMES = {1: "scalar", 2: "avx2", 3: "avx-vnni", 4: "avx512-vnni"}
-ALL_ISAS = [1, 2, 3, 4]
-
-
-def host_isas() -> list[int]:
-    return list(torch.ops.sluice_cpu.q8_isas()) if cpu_kernels.load() else []
+# Each kernel is forced by its isa code, the portable one too, so every path
+# this CPU has runs here (conftest.py reports which ran, and fails the run
+# when no SIMD path did).
+ALL_ISAS = sorted(cpu_kernels.ISA_NAMES)
 
 
 def isa_param(code: int):
-    marks = []
-    if code not in host_isas():
-        marks.append(pytest.mark.skip(reason=f"this CPU lacks the instructions of the {ISA_NAMES[code]} kernel"))
-    return pytest.param(code, id=ISA_NAMES[code], marks=marks)
+    marks = [pytest.mark.isa(cpu_kernels.ISA_NAMES[code])]
+    if cpu_kernels.loaded() and code not in cpu_kernels.host_isas():
+        reason = f"this CPU lacks the instructions of the {cpu_kernels.ISA_NAMES[code]} kernel"
+        marks.append(pytest.mark.skip(reason=reason))
+    return pytest.param(code, id=cpu_kernels.ISA_NAMES[code], marks=marks)
 
 
 def records(fmt: str, n: int, k: int, seed: int) -> gguf_blocks.Records:
