@@ -1,9 +1,20 @@
 #!/usr/bin/env python3
 """Fails when modules import each other in a circle, in the router and
-launcher crates (Rust) or the Python packages (server/ and kernels/).
+launcher crates (Rust) or the Python packages (server/ and kernels/), or
+when the shard's Python breaks its layering.
 
 A module that imports another must not be imported by it, directly or
-through others. What counts as an import:
+through others. The shard's layers, top to bottom (STYLE.md, "imports point
+down"):
+
+    batch/servicer   sluice_server.{servicer, batch, model_runner, cli}
+    model            sluice_server.models.*, sluice_server.layers.*
+    kernels          sluice_kernels.*
+
+Nothing in the model layer or the kernels imports the batch/servicer layer,
+directly or through other modules (a fast path that needs the batch lives
+above, or is handed plain tensors), and the kernels import nothing of the
+server at all. What counts as an import:
 
 - Rust: every `crate::a::b`, `super::x` or `self::x` path in a file (in `use`
   trees and inline in code), and every bare path that starts with the name
@@ -16,7 +27,7 @@ through others. What counts as an import:
   function-level (lazy) imports included, resolved to the most specific
   module of the package it names.
 
-    python scripts/check_import_cycles.py          # exit 1 and print each circle
+    python scripts/check_import_cycles.py          # exit 1 and print each circle / breach
 
 Run by scripts/test.sh.
 """
@@ -32,6 +43,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RUST_CRATES = {"router": ROOT / "router" / "src", "launcher": ROOT / "launcher" / "src"}
 PYTHON_PACKAGES = [ROOT / "server" / "sluice_server", ROOT / "server" / "sluice_bench", ROOT / "kernels" / "sluice_kernels"]
+# The shard's layering (module docstring): module-name prefixes.
+MODEL_LAYER = ("sluice_server.models", "sluice_server.layers", "sluice_kernels")
+BATCH_LAYER = ("sluice_server.servicer", "sluice_server.batch", "sluice_server.model_runner", "sluice_server.cli")
+KERNELS, SERVER = "sluice_kernels", "sluice_server"
 
 Graph = dict[str, set[str]]
 
@@ -177,14 +192,16 @@ def rust_graph(src: Path) -> Graph:
 # -- Python -------------------------------------------------------------------
 
 
-def python_graph(package: Path) -> Graph:
-    root = package.parent
+def python_graph(*packages: Path) -> Graph:
+    """Module -> the modules it imports, over all of `packages` (imports
+    between them count; others, such as torch, do not)."""
     modules: dict[str, Path] = {}
-    for path in package.rglob("*.py"):
-        parts = list(path.relative_to(root).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        modules[".".join(parts)] = path
+    for package in packages:
+        for path in package.rglob("*.py"):
+            parts = list(path.relative_to(package.parent).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join(parts)] = path
 
     def most_specific(name: str) -> str | None:
         while name:
@@ -213,6 +230,49 @@ def python_graph(package: Path) -> Graph:
                 if found and found != me:
                     graph[me].add(found)
     return graph
+
+
+# -- layering -----------------------------------------------------------------
+
+
+def _under(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def _import_chain(graph: Graph, start: str, bad) -> list[str] | None:
+    """The shortest import chain from `start` to a module for which bad() is
+    true (breadth first), or None."""
+    parents: dict[str, str | None] = {start: None}
+    queue = [start]
+    for v in queue:
+        for w in sorted(graph.get(v, ())):
+            if w in parents:
+                continue
+            parents[w] = v
+            if bad(w):
+                chain = [w]
+                while parents[chain[-1]] is not None:
+                    chain.append(parents[chain[-1]])
+                return chain[::-1]
+            queue.append(w)
+    return None
+
+
+def layering_breaches(graph: Graph) -> list[str]:
+    """Each module of the model layer that reaches the batch/servicer layer
+    through its imports, and each kernels module that imports the server,
+    with the chain of imports that does it."""
+    found = []
+    for module in sorted(graph):
+        if _under(module, MODEL_LAYER):
+            chain = _import_chain(graph, module, lambda m: _under(m, BATCH_LAYER))
+            if chain:
+                found.append("model layer imports the batch/servicer layer: " + " -> ".join(chain))
+        if _under(module, (KERNELS,)):
+            for target in sorted(graph[module]):
+                if _under(target, (SERVER,)):
+                    found.append(f"kernels import the server: {module} -> {target}")
+    return found
 
 
 # -- cycles -------------------------------------------------------------------
@@ -257,7 +317,8 @@ def cycles(graph: Graph) -> list[list[str]]:
 
 def main() -> int:
     graphs = {f"{name} crate": rust_graph(src) for name, src in RUST_CRATES.items()}
-    graphs.update({f"python {p.name}": python_graph(p) for p in PYTHON_PACKAGES if p.is_dir()})
+    python = python_graph(*(p for p in PYTHON_PACKAGES if p.is_dir()))
+    graphs["python " + ", ".join(p.name for p in PYTHON_PACKAGES)] = python
     failed = False
     for name, graph in graphs.items():
         found = cycles(graph)
@@ -269,6 +330,11 @@ def main() -> int:
             for v in component:
                 inside = sorted(graph[v] & set(component))
                 print(f"        {v} imports {', '.join(inside)}")
+    breaches = layering_breaches(python)
+    print(f"python layering (model layer and kernels below batch/servicer, kernels apart): {len(breaches)} breaches")
+    for breach in breaches:
+        failed = True
+        print("    " + breach)
     return 1 if failed else 0
 
 

@@ -60,7 +60,7 @@ python -m pip install -q --upgrade pip
 
 # Dependencies first (cached across runs), then the packages themselves:
 # the kernels (their own small package) and the server, which depends on them.
-python -m pip install -q maturin grpcio-tools "setuptools>=64"
+python -m pip install -q maturin grpcio-tools "setuptools>=77"
 python scripts/gen_proto.py
 if [[ $WITH_TEST == 1 ]]; then
   python -m pip install -q ./kernels ".[test]" --no-build-isolation

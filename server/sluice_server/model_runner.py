@@ -22,11 +22,11 @@ from sluice_server.batch import Batch, RequestState, Work, build_batch
 from sluice_server.distributed import SINGLE, Distributed
 from sluice_server.kv_cache import KVCache
 from sluice_server.layers.backends import get_backend
-from sluice_server.layers.cpu_decoder import CpuDecoder, build_cpu_decoder
 from sluice_kernels.cpu_matmuls import CpuMatmuls, cpu_flags, native_bf16, plan_cpu_matmuls
 from sluice_server.layers.gguf_weights import attach_gguf_weights
 from sluice_server.layers.linear import pack_linear_weights
 from sluice_server.models import build_model, load_weights
+from sluice_server.models.llama_cpu_decoder import LlamaCpuDecoder, build_llama_cpu_decoder
 from sluice_server.pb import shard_pb2
 
 log = logging.getLogger(__name__)
@@ -194,8 +194,8 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = choose_dtype(dtype, self.device, self.config)
         self.cpu_matmuls: CpuMatmuls | None = None
-        # Decode steps in one C++ call (layers.cpu_decoder), where it applies.
-        self.cpu_decoder: CpuDecoder | None = None
+        # Decode steps in one C++ call (models.llama_cpu_decoder), where it applies.
+        self.cpu_decoder: LlamaCpuDecoder | None = None
         self.block_size = block_size
         self.dist = dist
         self.backend = get_backend(self.device, attention_backend)
@@ -204,7 +204,7 @@ class ModelRunner:
         if self.device.type == "cpu" and pack_weights:
             self.cpu_matmuls = self._prepare_cpu_weights(dtype)
             if self.cpu_matmuls.block_rows > 0:
-                self.cpu_decoder = build_cpu_decoder(self.model)
+                self.cpu_decoder = build_llama_cpu_decoder(self.model)
         self.kv_dtype = choose_kv_dtype(self.dtype, self.cpu_matmuls)
         cfg = self.model.config
         self.model_type: str = cfg.model_type
@@ -256,14 +256,46 @@ class ModelRunner:
         cache = kv_cache or self.kv_cache
         if cache is None:
             raise RuntimeError("KV cache not allocated: call warmup first")
-        if self.cpu_decoder is not None and self.cpu_decoder.accepts(batch):
-            hidden = self.cpu_decoder.forward(batch, cache.layers)
+        if self.decoder_takes(batch):
+            hidden = self._decode_on_cpu_decoder(batch, cache)
         else:
             self.backend.prepare(batch.attn)
             hidden = self.model(batch.input_ids, batch.positions, cache.layers, batch.attn)
         if batch.logits_indices.numel() == 0:
             return torch.empty(0, self.vocab_size)
         return self.model.compute_logits(hidden[batch.logits_indices]).cpu()
+
+    def decoder_takes(self, batch: Batch) -> bool:
+        """Whether the C++ decoder runs this step: at most its row limit, and
+        every work item computes one token of its own (a decode, perhaps
+        followed by draft tokens to verify); prefill chunks and mixed steps
+        run the model's forward."""
+        if self.cpu_decoder is None:
+            return False
+        tokens = batch.input_ids.numel()
+        if not 0 < tokens <= self.cpu_decoder.max_rows:
+            return False
+        return batch.attn.num_decodes == tokens or all(w.num_new_tokens == 1 for w in batch.work)
+
+    def _decode_on_cpu_decoder(self, batch: Batch, cache: KVCache) -> torch.Tensor:
+        """The step as the decoder's rows: with drafts, every token is a
+        decode row of its sequence that sees the cache up to its own position.
+
+            work     seq 0: token + 2 drafts        seq 1: token
+            rows     r0  r1  r2                     r3
+            tables   bt[0] bt[0] bt[0]              bt[1]
+            seq_lens p0+1 p0+2 p0+3                 p1+1      (positions + 1)
+        """
+        meta = batch.attn
+        block_tables, seq_lens = meta.block_tables, meta.seq_lens
+        if meta.num_decodes != batch.input_ids.numel():
+            rows = torch.repeat_interleave(
+                torch.arange(len(meta.query_lens_list)), torch.tensor(meta.query_lens_list)
+            )
+            block_tables, seq_lens = block_tables[rows], batch.positions + 1
+        return self.cpu_decoder.forward(
+            batch.input_ids, batch.positions, meta.slot_mapping, block_tables, seq_lens, cache.layers
+        )
 
     def build_batch(self, work: list[Work]) -> Batch:
         return build_batch(work, self.block_size, self.device)

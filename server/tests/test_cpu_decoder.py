@@ -1,4 +1,4 @@
-"""The C++ decode path (layers.cpu_decoder) against the model's own forward,
+"""The C++ decode path (models.llama_cpu_decoder) against the model's own forward,
 on the bundled SmolLM2 (the model with GGUF blocks): the same kernels in the
 same order, so logits and the KV written must be bitwise equal, with int8
 activations and a bfloat16 KV cache (--dtype auto) and with the exact block
@@ -69,11 +69,11 @@ def test_steps_it_does_not_take(runner, monkeypatch):
                             num_computed_tokens=0, block_ids=[n], params=shard_pb2.SamplingParams())
 
     prefill = runner.build_batch([Work(state(3), 0, 4, [3])])
-    assert not runner.cpu_decoder.accepts(prefill)
+    assert not runner.decoder_takes(prefill)
     # The host's limit may be every step (cpu_matmuls.ALL_ROWS): try a small one.
     monkeypatch.setattr(runner.cpu_decoder, "max_rows", 4)
-    assert runner.cpu_decoder.accepts(runner.build_batch([Work(state(1), 1, 1, [0]) for _ in range(4)]))
-    assert not runner.cpu_decoder.accepts(runner.build_batch([Work(state(1), 1, 1, [0]) for _ in range(5)]))
+    assert runner.decoder_takes(runner.build_batch([Work(state(1), 1, 1, [0]) for _ in range(4)]))
+    assert not runner.decoder_takes(runner.build_batch([Work(state(1), 1, 1, [0]) for _ in range(5)]))
 
 
 def verify_step(runner: ModelRunner, use_decoder: bool, prompts: list[list[int]], drafts: list[list[int]]):
@@ -93,7 +93,7 @@ def verify_step(runner: ModelRunner, use_decoder: bool, prompts: list[list[int]]
     try:
         work = [Work(s, len(p) - 1, 1, s.block_ids, d) for s, p, d in zip(states, prompts, drafts)]
         batch = runner.build_batch(work)
-        assert decoder.accepts(batch)
+        assert use_decoder is False or runner.decoder_takes(batch)
         batch.logits_indices = torch.arange(batch.input_ids.numel())
         logits = runner.execute(batch)
     finally:

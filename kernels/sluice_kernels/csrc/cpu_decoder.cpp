@@ -15,8 +15,9 @@
 //   return rms_norm(x, res)
 //
 // Only decode steps (one new token per sequence) whose matmuls all run on
-// GGUF blocks come here (layers.cpu_decoder decides); prefill and larger
-// steps keep the Python path.
+// GGUF blocks come here (the shard's models/llama_cpu_decoder.py builds this
+// and its model runner picks the steps); prefill and larger steps keep the
+// Python path.
 
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>

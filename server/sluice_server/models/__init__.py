@@ -11,6 +11,11 @@ rank's tensor-parallel slice.
     qwen3               models/qwen3.py      per-head q/k RMSNorm
     phi3                models/phi3.py       fused checkpoint tensors, LongRoPE
     gemma3_text         models/gemma3.py     (1 + w) norms, GELU, local/global layers
+
+A fast path lives beside the model it speeds up: models/llama_cpu_decoder.py
+runs the Llama model's decode steps on CPU in one C++ call (the model runner
+picks the steps). Models import layers and kernels, never the batch or the
+servicer above them.
 """
 
 from __future__ import annotations
