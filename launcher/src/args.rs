@@ -170,6 +170,7 @@ mod tests {
         assert_eq!(a.device, Device::Auto);
         assert_eq!(a.block_size, 16);
         assert!(a.serving.prefix_caching());
+        assert!(a.serving.web_ui());
         assert_eq!(a.serving.port, 8080);
         assert_eq!(a.shard_uds_path, None);
         assert_eq!(a.master_addr, "localhost");
@@ -195,7 +196,7 @@ mod tests {
             "--payload-limit", "10", "--max-stop-sequences", "2", "--max-top-n-tokens", "3",
             "--served-model-name", "m", "--chat-template", "t.jinja", "--shutdown-timeout", "5",
             "--tool-call-parser", "llama3_json", "--trust-remote-code", "--kv-cache-bytes", "1000000", "--hourly-cost", "1.5",
-            "--cost-window-secs", "30", "--step-timeout", "45",
+            "--cost-window-secs", "30", "--step-timeout", "45", "--no-web-ui",
         ])
         .unwrap();
         assert_eq!(a.model_to_resolve(), "org/name");
@@ -204,6 +205,7 @@ mod tests {
         assert_eq!(a.device, Device::Cuda);
         assert_eq!(a.serving.max_batch_total_tokens, Some(4000));
         assert!(!a.serving.prefix_caching());
+        assert!(!a.serving.web_ui());
         assert_eq!(a.serving.cors_allow_origin, vec!["http://a", "http://b"]);
         assert_eq!(a.kv_cache_bytes, Some(1_000_000));
         assert_eq!((a.serving.hourly_cost, a.serving.cost_window_secs), (Some(1.5), 30));
@@ -282,6 +284,7 @@ mod tests {
         assert_eq!(a.serving.port, 9123);
         assert!(a.serving.json_output);
         assert!(!a.serving.prefix_caching());
+        assert!(!a.serving.web_ui());
         assert_eq!(a.serving.cors_allow_origin, vec!["http://a", "http://b"]);
         assert_eq!(a.serving.otlp_endpoint.as_deref(), Some("http://collector:4317"));
         assert_eq!(a.serving.otlp_service_name.as_deref(), Some("sluice-test"));

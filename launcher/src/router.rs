@@ -135,6 +135,7 @@ mod tests {
                 "--max-batch-total-tokens", "40", "--max-batch-size", "5", "--served-model-name", "m",
                 "--chat-template", "{{x}}", "--tool-call-parser", "mistral", "--api-key", "k", "--otlp-endpoint",
                 "http://o", "--otlp-service-name", "s", "--cors-allow-origin", "http://a,http://b", "--no-prefix-caching",
+                "--no-web-ui",
                 "--json-output", "--hourly-cost", "2.75", "--cost-window-secs", "30", "--step-timeout", "9",
                 "--max-connections", "7", "--header-timeout", "3", "--body-timeout", "4", "--max-n", "3",
                 "--speculate", "ngram", "--speculate-tokens", "6", "--ngram-min", "2", "--ngram-max", "4",

@@ -263,6 +263,7 @@ async fn serve(config: &RouterConfig, Started { infer, state }: Started) -> Resu
         &HttpOptions {
             payload_limit: config.serving.payload_limit,
             cors_allow_origin: config.serving.cors_allow_origin.clone(),
+            web_ui: config.serving.web_ui(),
         },
     );
     let address = format!("{}:{}", config.serving.hostname, config.serving.port);

@@ -87,6 +87,14 @@ pub struct ServingFlags {
     /// Turn prefix caching off.
     #[arg(long, overrides_with = "prefix_caching")]
     pub no_prefix_caching: bool,
+    /// Serve the web page at GET /: a chat playground and a live dashboard of
+    /// /metrics (on by default; SLUICE_WEB_UI=false turns it off).
+    #[arg(long, env = "SLUICE_WEB_UI", default_value_t = true, num_args = 0..=1,
+          default_missing_value = "true", action = ArgAction::Set, overrides_with = "no_web_ui")]
+    pub web_ui: bool,
+    /// Turn the web page off: GET / answers 404 (TGI's POST / stays).
+    #[arg(long, overrides_with = "web_ui")]
+    pub no_web_ui: bool,
     /// Model name of the OpenAI API (`model`). Default: --model-id.
     #[arg(long, env = "SERVED_MODEL_NAME")]
     pub served_model_name: Option<String>,
@@ -190,6 +198,12 @@ impl ServingFlags {
         self.prefix_caching && !self.no_prefix_caching
     }
 
+    /// Whether to serve the web page, after `--web-ui` and `--no-web-ui`
+    /// (the later one on the command line wins).
+    pub fn web_ui(&self) -> bool {
+        self.web_ui && !self.no_web_ui
+    }
+
     /// The router's service name in traces.
     pub fn otlp_service_name(&self) -> &str {
         self.otlp_service_name.as_deref().unwrap_or("sluice-router")
@@ -269,6 +283,9 @@ impl ServingFlags {
         }
         if !self.prefix_caching() {
             args.push("--no-prefix-caching".into());
+        }
+        if !self.web_ui() {
+            args.push("--no-web-ui".into());
         }
         if self.json_output {
             args.push("--json-output".into());
@@ -448,7 +465,7 @@ mod tests {
             "--hostname", "127.0.0.1", "--port", "9000", "--max-input-tokens", "100", "--max-total-tokens", "200",
             "--max-batch-prefill-tokens", "300", "--max-batch-total-tokens", "4000", "--max-batch-size", "8",
             "--max-concurrent-requests", "9", "--max-stop-sequences", "2", "--max-top-n-tokens", "3", "--max-n", "2",
-            "--max-client-batch-size", "7", "--no-prefix-caching", "--served-model-name", "m",
+            "--max-client-batch-size", "7", "--no-prefix-caching", "--no-web-ui", "--served-model-name", "m",
             "--chat-template", "t.jinja", "--tool-call-parser", "llama3_json", "--api-key", "k",
             "--cors-allow-origin", "http://a,http://b", "--payload-limit", "10", "--max-connections", "5",
             "--header-timeout", "6", "--body-timeout", "7", "--shutdown-timeout", "8", "--step-timeout", "45",
@@ -469,6 +486,16 @@ mod tests {
         let mut argv = vec!["sluice-router".to_string(), "--tokenizer".into(), "m".into()];
         argv.extend(defaults.router_args());
         assert_eq!(RouterConfig::try_parse_from(argv).unwrap().serving, defaults);
+    }
+
+    #[test]
+    fn the_web_page_is_on_unless_turned_off() {
+        assert!(parse(&[]).serving.web_ui());
+        assert!(!parse(&["--no-web-ui"]).serving.web_ui());
+        assert!(!parse(&["--web-ui=false"]).serving.web_ui());
+        // The later flag wins.
+        assert!(parse(&["--no-web-ui", "--web-ui"]).serving.web_ui());
+        assert!(!parse(&["--web-ui", "--no-web-ui"]).serving.web_ui());
     }
 
     #[test]

@@ -9,6 +9,7 @@
 //! - `sse`        - server-sent event framing.
 //! - `error`      - every error leaves through here, in each API's shape.
 //! - `serve`      - the connection loop: connection cap, header and body timeouts.
+//! - `webui`      - the web page at `GET /` (chat playground, live dashboard).
 
 pub mod error;
 pub mod generation;
@@ -17,6 +18,7 @@ pub mod serve;
 pub mod sse;
 pub mod state;
 pub mod tgi;
+pub mod webui;
 #[cfg(test)]
 mod tests;
 
@@ -43,6 +45,8 @@ use error::{ApiError, OpenAiError, TgiError};
 pub struct HttpOptions {
     pub payload_limit: usize,
     pub cors_allow_origin: Vec<String>,
+    /// Serve the web page at `GET /` (`--web-ui`).
+    pub web_ui: bool,
 }
 
 pub fn app(state: Arc<AppState>, options: &HttpOptions) -> Router {
@@ -62,9 +66,11 @@ pub fn app(state: Arc<AppState>, options: &HttpOptions) -> Router {
         .route("/info", get(info))
         .route("/openapi.json", get(openapi))
         .layer(middleware::from_fn_with_state(state.clone(), require_api_key))
-        // Reachable without the key: liveness and readiness (probes), and
-        // the metrics (Prometheus and the Gateway API Inference Extension's
-        // endpoint picker scrape them; they carry no request content).
+        // Reachable without the key: the web page, liveness and readiness
+        // (probes), and the metrics (Prometheus and the Gateway API
+        // Inference Extension's endpoint picker scrape them; they carry no
+        // request content).
+        .merge(web_ui_routes(options.web_ui))
         .route("/health", get(health))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
@@ -79,6 +85,15 @@ pub fn app(state: Arc<AppState>, options: &HttpOptions) -> Router {
             .allow_methods([Method::GET, Method::POST])
             .allow_headers([header::CONTENT_TYPE, header::AUTHORIZATION]),
     )
+}
+
+/// The web page (without the key too: it holds no data, and asks for the
+/// key when the API wants it). `GET /` shares its path with TGI's `POST /`.
+fn web_ui_routes(enabled: bool) -> Router<Arc<AppState>> {
+    if !enabled {
+        return Router::new().route("/", get(webui::disabled));
+    }
+    Router::new().route("/", get(webui::index)).route("/ui/{name}", get(webui::asset))
 }
 
 /// `--cors-allow-origin`'s values: `*` allows any origin (tower-http

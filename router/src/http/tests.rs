@@ -25,6 +25,7 @@ struct Setup {
     /// Replaces the test validation's limits.
     limits: Option<crate::validation::RequestLimits>,
     cors_allow_origin: Vec<String>,
+    web_ui: bool,
 }
 
 impl Default for Setup {
@@ -38,6 +39,7 @@ impl Default for Setup {
             api_key: None,
             limits: None,
             cors_allow_origin: vec![],
+            web_ui: true,
         }
     }
 }
@@ -117,7 +119,8 @@ fn build_with_shard(setup: Setup) -> (Router, Arc<AppState>, FakeShardHandle) {
         started: Instant::now(),
         cpu_work: AppState::cpu_workers(),
     });
-    let options = HttpOptions { payload_limit: setup.payload_limit, cors_allow_origin: setup.cors_allow_origin };
+    let options =
+        HttpOptions { payload_limit: setup.payload_limit, cors_allow_origin: setup.cors_allow_origin, web_ui: setup.web_ui };
     (app(state.clone(), &options), state, handle)
 }
 
@@ -142,6 +145,7 @@ async fn post(app: &Router, path: &str, body: Value) -> (StatusCode, Value) {
 }
 
 mod structured;
+mod webui;
 
 /// The JSON payloads of an SSE body, checking the framing on the way.
 fn sse_payloads(text: &str) -> Vec<String> {
