@@ -7,10 +7,15 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh --test
 # promtool (Debian's prometheus package) checks the /metrics exposition in
 # integration-tests/test_observability.py.
-if ! command -v promtool >/dev/null; then
+# chromium (Debian's) is the browser integration-tests/test_web_ui.py drives
+# through Playwright (Playwright's own browser download cannot work offline).
+missing=()
+command -v promtool >/dev/null || missing+=(prometheus)
+[ -x /usr/bin/chromium ] || missing+=(chromium)
+if [ ${#missing[@]} -gt 0 ]; then
   SUDO=""
   [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq prometheus
+  $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
 fi
 # helm for the chart tests (deploy/tests, integration-tests/test_pod_contract.py):
 # built once from the Go module proxy, then cached in ~/.cache/sluice/tools.

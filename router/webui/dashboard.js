@@ -65,7 +65,7 @@ const number = (v, digits = 1) => (v === null ? "–" : v.toFixed(digits));
 const percent = (v) => (v === null ? "–" : v === 0 ? "0%" : `${(v * 100).toFixed(v < 0.1 ? 1 : 0)}%`);
 const millis = (v) =>
   v === null ? "–" : v === 0 ? "0 ms" : v < 1 ? `${(v * 1000).toFixed(v < 0.01 ? 1 : 0)} ms` : `${v.toFixed(2)} s`;
-const dollars = (v) => (v === null ? "–" : `$${v.toFixed(v < 1 ? 3 : v < 100 ? 2 : 0)}`);
+const dollars = (v) => (v === null ? "–" : v === 0 ? "$0" : `$${v.toFixed(v < 1 ? 3 : v < 100 ? 2 : 0)}`);
 
 const TILES = [
   { id: "tok-s", label: "Output tokens/s", value: (r) => number(r.tokensPerSecond) },
@@ -85,7 +85,7 @@ const TILES = [
 
 const CHARTS = [
   { id: "chart-tok-s", title: "Output tokens per second", series: [{ label: "tok/s", color: "--c1" }],
-    format: (v) => number(v, v < 10 ? 1 : 0), values: (r) => [r.tokensPerSecond] },
+    format: (v) => number(v, v === 0 || v >= 10 ? 0 : 1), values: (r) => [r.tokensPerSecond] },
   { id: "chart-requests", title: "Requests", integer: true, series: [{ label: "running", color: "--c1" }, { label: "waiting", color: "--c2" }],
     format: (v) => number(v, 0), values: (r) => [r.running, r.waiting] },
   { id: "chart-kv", title: "KV cache", max: 1, series: [{ label: "used", color: "--c1" }, { label: "cached prefixes", color: "--c3" }],
