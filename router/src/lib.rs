@@ -5,7 +5,8 @@
 //! 1. `http`        - axum app: OpenAI (`http::openai`) and TGI (`http::tgi`)
 //!    routes map bodies to parameters and shape answers; `http::generation`
 //!    drives every generation (submission, `n` choices, collected or
-//!    streamed results, usage); `http::error` maps every error to HTTP.
+//!    streamed results, usage); `http::error` maps every error to HTTP;
+//!    `http::webui` serves the web page (chat, dashboard) at `GET /`.
 //! 2. `validation`  - every check on client input: parses parameters and
 //!    prompts into a [`validation::Validated`] request; owns the tokenizer
 //!    (`tokenizer`), chat templates (`chat_template`) and output constraints:

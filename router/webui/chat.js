@@ -6,6 +6,7 @@
 // went away.
 
 import { errorMessage, request } from "./api.js";
+import { element } from "./dom.js";
 import { sseEvents } from "./sse.js";
 
 const STORE = "sluice.chat";
@@ -205,24 +206,15 @@ export class Chat {
   }
 
   render(message) {
-    const item = document.createElement("li");
-    item.className = `message ${message.role}`;
-    const role = document.createElement("p");
-    role.className = "role";
-    role.textContent = message.role === "user" ? "You" : "Assistant";
-    const reasoning = document.createElement("details");
-    reasoning.className = "reasoning";
+    const item = element("li", `message ${message.role}`);
+    const role = element("p", "role", message.role === "user" ? "You" : "Assistant");
+    const reasoning = element("details", "reasoning");
     reasoning.open = true;
-    reasoning.innerHTML = "<summary>Reasoning</summary>";
-    const reasoningText = document.createElement("div");
-    reasoningText.className = "text";
-    reasoning.append(reasoningText);
-    const content = document.createElement("div");
-    content.className = "content";
-    const tools = document.createElement("div");
-    tools.className = "tool-calls";
-    const meta = document.createElement("p");
-    meta.className = "meta";
+    const reasoningText = element("div", "text");
+    reasoning.append(element("summary", "", "Reasoning"), reasoningText);
+    const content = element("div", "content");
+    const tools = element("div", "tool-calls");
+    const meta = element("p", "meta");
     item.append(role, reasoning, content, tools, meta);
     this.views.set(message, { item, reasoning, reasoningText, content, tools, meta });
     this.update(message);
@@ -258,21 +250,15 @@ export function applyDelta(reply, delta) {
 }
 
 function renderToolCall(call) {
-  const box = document.createElement("div");
-  box.className = "tool-call";
-  const title = document.createElement("p");
-  title.textContent = "Tool call: ";
-  const name = document.createElement("code");
-  name.className = "tool-name";
-  name.textContent = call.name;
-  title.append(name);
-  const args = document.createElement("pre");
-  args.className = "tool-arguments";
+  const title = element("p", "", "Tool call: ");
+  title.append(element("code", "tool-name", call.name));
+  const args = element("pre", "tool-arguments");
   try {
     args.textContent = JSON.stringify(JSON.parse(call.arguments), null, 2);
   } catch {
     args.textContent = call.arguments; // still streaming, or not JSON
   }
+  const box = element("div", "tool-call");
   box.append(title, args);
   return box;
 }

@@ -9,6 +9,7 @@
 
 import { errorMessage, promptForKey, request } from "./api.js";
 import { LineChart } from "./chart.js";
+import { element } from "./dom.js";
 import { bucketGrowth, buckets, parseMetrics, quantile, total } from "./prometheus.js";
 
 const POLL_MS = 1000;
@@ -114,33 +115,25 @@ export class Dashboard {
 
   buildTiles(container) {
     return TILES.map((tile) => {
-      const box = document.createElement("div");
-      box.className = "tile";
+      const value = element("p", "value", "–");
+      const note = element("p", "note");
+      const box = element("div", "tile");
       box.id = `tile-${tile.id}`;
-      box.innerHTML = '<p class="label"></p><p class="value">–</p><p class="note"></p>';
-      box.querySelector(".label").textContent = tile.label;
+      box.append(element("p", "label", tile.label), value, note);
       container.append(box);
-      return { tile, value: box.querySelector(".value"), note: box.querySelector(".note") };
+      return { tile, value, note };
     });
   }
 
   buildCharts(container) {
     return CHARTS.map((spec) => {
-      const figure = document.createElement("figure");
-      figure.className = "chart";
-      const caption = document.createElement("figcaption");
-      caption.textContent = spec.title;
-      const legend = document.createElement("ul");
-      legend.className = "legend";
-      for (const s of spec.series) {
-        const item = document.createElement("li");
-        item.className = `swatch ${s.color.slice(2)}`;
-        item.textContent = s.label;
-        legend.append(item);
-      }
+      const legend = element("ul", "legend");
+      legend.append(...spec.series.map((s) => element("li", `swatch ${s.color.slice(2)}`, s.label)));
+      const caption = element("figcaption", "", spec.title);
       caption.append(legend);
-      const canvas = document.createElement("canvas");
+      const canvas = element("canvas");
       canvas.id = spec.id;
+      const figure = element("figure", "chart");
       figure.append(caption, canvas);
       container.append(figure);
       return { spec, chart: new LineChart(canvas, spec) };
@@ -177,10 +170,9 @@ export class Dashboard {
   async refused(response) {
     this.status.textContent = `Metrics unavailable (${await errorMessage(response)})`;
     if (response.status === 401 && !this.root.querySelector("#enter-key")) {
-      const button = document.createElement("button");
+      const button = element("button", "", "Enter API key");
       button.id = "enter-key";
       button.type = "button";
-      button.textContent = "Enter API key";
       button.onclick = async () => {
         if (await promptForKey()) button.remove();
       };
@@ -216,10 +208,7 @@ export function renderInfo(list, info, prefix = "") {
       renderInfo(list, value, `${name}: `);
       continue;
     }
-    const term = document.createElement("dt");
-    term.textContent = name;
-    const detail = document.createElement("dd");
-    detail.textContent = value === null ? "–" : Array.isArray(value) ? value.join(", ") : String(value);
-    list.append(term, detail);
+    const text = value === null ? "–" : Array.isArray(value) ? value.join(", ") : String(value);
+    list.append(element("dt", "", name), element("dd", "", text));
   }
 }

@@ -45,6 +45,7 @@ const ASSETS: &[Asset] = &[
     asset!("dashboard.js", JS),
     asset!("prometheus.js", JS),
     asset!("chart.js", JS),
+    asset!("dom.js", JS),
 ];
 
 /// Scripts and styles from this server only, no inline code, requests to
