@@ -266,6 +266,7 @@ mod tests {
             ("HUGGINGFACE_HUB_CACHE", "/hub-cache"),
             ("KV_CACHE_BYTES", "4096"),
             ("HOURLY_COST", "0.75"),
+            ("SLUICE_WEB_UI", "false"),
         ];
         let env = ENV_LOCK.write().unwrap_or_else(|e| e.into_inner());
         for (k, v) in vars {
