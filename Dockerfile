@@ -44,6 +44,7 @@ RUN python3 -m venv /opt/sluice
 ENV PATH=/opt/sluice/bin:$PATH \
     HF_HOME=/data \
     TORCH_EXTENSIONS_DIR=/data/torch_extensions \
+    SLUICE_DATA_DIR=/data/sluice \
     PORT=80 \
     SLUICE_HOSTNAME=0.0.0.0
 COPY --from=builder /wheels /wheels

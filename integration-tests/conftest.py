@@ -142,12 +142,15 @@ def start_launcher(*args: str, env: dict | None = None, wait_ready: bool = True,
 def _launch(args, env: dict | None, tmp: Path, private_sockets: bool) -> Launcher:
     port = free_port()
     uds = "" if private_sockets else str(tmp / "shard")
+    # Each server its own Batch API folder: one folder serves one server.
+    data_dir = [] if "--data-dir" in args else ["--data-dir", str(tmp / "data")]
     cmd = [
         find_executable("sluice-launcher"),
         "--port", str(port),
         "--hostname", "127.0.0.1",
         *([] if private_sockets else ["--shard-uds-path", uds]),
         "--master-port", str(free_port()),
+        *data_dir,
         *args,
     ]
     full_env = {**os.environ, **(env or {})}

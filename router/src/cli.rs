@@ -23,10 +23,13 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 
+use crate::batch::runner::Runner;
+use crate::batch::{BatchConfig, Batches};
 use crate::chat_template::ChatTemplate;
 use crate::client::ShardGroup;
 use crate::config::RouterConfig;
 use crate::grammar::GrammarCompiler;
+use crate::http::openai::batch_lines::OpenAiLines;
 use crate::http::{self, AppState, HttpOptions, Info, SpeculationInfo};
 use crate::infer::{Infer, ShardInfo};
 use crate::scheduler::{self, SchedulerConfig};
@@ -126,6 +129,20 @@ struct Started {
 
 async fn start(config: &RouterConfig) -> Result<Started, String> {
     let files = load_model_files(config)?;
+    // Before the shards: a data folder in use by another server fails now.
+    let batches = Batches::open(BatchConfig {
+        data_dir: config.serving.data_dir(),
+        max_file_bytes: config.serving.batch_max_file_bytes as usize,
+        max_lines: config.serving.batch_max_lines as usize,
+        model: config.served_model_name().to_string(),
+        hourly_cost: config.serving.hourly_cost,
+    })
+    .map_err(|e| e.to_string())?;
+    tracing::info!(
+        data_dir = %config.serving.data_dir().display(),
+        batch_min_share = config.serving.batch_min_share,
+        "Batch API store open"
+    );
     let mut shards = connect(&config.master_shard_uds_path).await?;
     let shard_info = shards.info().await.map_err(|e| format!("Info failed: {e}"))?;
     let limits = config
@@ -181,6 +198,7 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
         step_deadline: config.step_deadline(),
         panic_at_step: config.scheduler_panic_at().map_err(|e| e.to_string())?,
         speculation: speculation.clone(),
+        batch_min_share: config.serving.batch_min_share,
     };
     // The recorder first: the scheduler describes its series when it starts.
     let metrics = crate::metrics::install();
@@ -246,6 +264,7 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
             version: env!("CARGO_PKG_VERSION").into(),
             hourly_cost: config.serving.hourly_cost,
             speculation: speculation.as_ref().map(SpeculationInfo::new),
+            batch_min_share: config.serving.batch_min_share,
         },
         metrics,
         draining: Arc::new(AtomicBool::new(false)),
@@ -253,8 +272,24 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
         api_key: config.serving.api_key.clone(),
         started: Instant::now(),
         cpu_work: AppState::cpu_workers(),
+        batches: Some(Arc::new(batches)),
     });
+    spawn_batch_runner(&state, limits.max_batch_size as usize);
     Ok(Started { infer, state })
+}
+
+/// The Batch API's runner: as many lines in flight as one step may run,
+/// so batch lines can fill whatever the interactive traffic leaves.
+fn spawn_batch_runner(state: &Arc<AppState>, capacity: usize) {
+    let Some(batches) = &state.batches else { return };
+    let runner = Runner::new(
+        batches.store().clone(),
+        Arc::new(OpenAiLines(state.clone())),
+        batches.wake(),
+        state.draining.clone(),
+        capacity,
+    );
+    tokio::spawn(runner.run());
 }
 
 async fn serve(config: &RouterConfig, Started { infer, state }: Started) -> Result<(), String> {

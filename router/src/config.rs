@@ -189,6 +189,43 @@ pub struct ServingFlags {
     #[arg(long, env = "SPECULATE_MAX_STEP_TOKENS", default_value_t = 16,
           value_parser = clap::value_parser!(u32).range(1..))]
     pub speculate_max_step_tokens: u32,
+    /// Folder of the Batch API's database (uploaded files, batches, their
+    /// results), created with mode 0700. One server per folder. Default:
+    /// $XDG_DATA_HOME/sluice, else ~/.local/share/sluice.
+    #[arg(long, env = "SLUICE_DATA_DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// Fraction of the running slots and of each step's token budget that
+    /// Batch API lines may always use while they are pending, however busy
+    /// interactive traffic is; the rest of the time they only fill what
+    /// interactive requests leave. In [0, 1).
+    #[arg(long, env = "SLUICE_BATCH_MIN_SHARE", default_value_t = 0.1, value_parser = parse_share)]
+    pub batch_min_share: f64,
+    /// Largest Batch API upload (`POST /v1/files`), in bytes (HTTP 413 above).
+    #[arg(long, env = "SLUICE_BATCH_MAX_FILE_BYTES", default_value_t = 100_000_000,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub batch_max_file_bytes: u64,
+    /// Most request lines in one Batch API input file.
+    #[arg(long, env = "SLUICE_BATCH_MAX_LINES", default_value_t = 50_000,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub batch_max_lines: u32,
+}
+
+/// `--data-dir`'s default: the user's data folder (XDG base directories).
+fn default_data_dir(var: impl Fn(&str) -> Option<std::ffi::OsString>) -> PathBuf {
+    let absolute = |name: &str| var(name).map(PathBuf::from).filter(|p| p.is_absolute());
+    match (absolute("XDG_DATA_HOME"), absolute("HOME")) {
+        (Some(data), _) => data.join("sluice"),
+        (None, Some(home)) => home.join(".local/share/sluice"),
+        // No home (a bare container user): beside the working directory.
+        (None, None) => PathBuf::from("sluice-data"),
+    }
+}
+
+fn parse_share(value: &str) -> Result<f64, String> {
+    match value.parse::<f64>() {
+        Ok(share) if (0.0..1.0).contains(&share) => Ok(share),
+        _ => Err(format!("`{value}` is not a share: give a fraction in [0, 1) (e.g. 0.1)")),
+    }
 }
 
 impl ServingFlags {
@@ -202,6 +239,11 @@ impl ServingFlags {
     /// (the later one on the command line wins).
     pub fn web_ui(&self) -> bool {
         self.web_ui && !self.no_web_ui
+    }
+
+    /// The Batch API's folder: `--data-dir`, or the user's data folder.
+    pub fn data_dir(&self) -> PathBuf {
+        self.data_dir.clone().unwrap_or_else(|| default_data_dir(|name| std::env::var_os(name)))
     }
 
     /// The router's service name in traces.
@@ -253,6 +295,8 @@ impl ServingFlags {
             ("ngram-max", u64::from(self.ngram_max)),
             ("speculate-max-batch-size", u64::from(self.speculate_max_batch_size)),
             ("speculate-max-step-tokens", u64::from(self.speculate_max_step_tokens)),
+            ("batch-max-file-bytes", self.batch_max_file_bytes),
+            ("batch-max-lines", u64::from(self.batch_max_lines)),
         ];
         for (name, value) in numbers {
             flag(name, value.to_string());
@@ -274,6 +318,10 @@ impl ServingFlags {
         // f64's Display round-trips: the router parses back the same price.
         if let Some(dollars) = self.hourly_cost {
             flag("hourly-cost", dollars.to_string());
+        }
+        flag("batch-min-share", self.batch_min_share.to_string());
+        if let Some(dir) = &self.data_dir {
+            flag("data-dir", dir.display().to_string());
         }
         if let Some(Speculate::Ngram) = self.speculate {
             flag("speculate", "ngram".to_string());
@@ -473,6 +521,8 @@ mod tests {
             "--otlp-endpoint", "http://o:4317", "--otlp-service-name", "svc", "--hourly-cost", "1.25",
             "--cost-window-secs", "30", "--speculate", "ngram", "--speculate-tokens", "6", "--ngram-min", "2",
             "--ngram-max", "4", "--speculate-max-batch-size", "3", "--speculate-max-step-tokens", "32",
+            "--data-dir", "/srv/sluice", "--batch-min-share", "0.25", "--batch-max-file-bytes", "1000",
+            "--batch-max-lines", "10",
         ])
         .serving;
         let args = given.router_args();
@@ -496,6 +546,22 @@ mod tests {
         // The later flag wins.
         assert!(parse(&["--no-web-ui", "--web-ui"]).serving.web_ui());
         assert!(!parse(&["--web-ui", "--no-web-ui"]).serving.web_ui());
+    }
+
+    #[test]
+    fn batch_flags() {
+        let config = parse(&[]);
+        assert_eq!((config.serving.batch_min_share, config.serving.batch_max_lines), (0.1, 50_000));
+        let vars = |vars: &'static [(&str, &str)]| move |name: &str| vars.iter().find(|(k, _)| *k == name).map(|(_, v)| v.into());
+        assert_eq!(default_data_dir(vars(&[("XDG_DATA_HOME", "/x"), ("HOME", "/h")])), PathBuf::from("/x/sluice"));
+        assert_eq!(default_data_dir(vars(&[("XDG_DATA_HOME", "rel"), ("HOME", "/h")])), PathBuf::from("/h/.local/share/sluice"));
+        assert_eq!(parse(&["--data-dir", "/d"]).serving.data_dir(), PathBuf::from("/d"));
+        for bad in ["--batch-min-share=1", "--batch-min-share=-0.1", "--batch-min-share=nan", "--batch-max-lines=0"] {
+            let mut argv = vec!["sluice-router", "--tokenizer", "model"];
+            argv.push(bad);
+            let err = RouterConfig::try_parse_from(argv).unwrap_err().to_string();
+            assert!(err.contains(bad.split('=').next().unwrap()), "{bad}: {err}");
+        }
     }
 
     #[test]

@@ -52,6 +52,26 @@ impl Default for SamplingParameters {
     }
 }
 
+/// Which traffic a request belongs to. The scheduler serves the classes in
+/// this order (scheduler/queue.rs): batch lines (the Batch API, batch/) run
+/// in the capacity interactive requests leave, and are preempted first.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum RequestClass {
+    #[default]
+    Interactive,
+    Batch,
+}
+
+impl RequestClass {
+    /// The `class` label of the metrics that count tokens per class.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Interactive => "interactive",
+            Self::Batch => "batch",
+        }
+    }
+}
+
 /// A request that passed validation: nothing past the handlers sees anything
 /// else.
 #[derive(Debug, Clone)]
@@ -74,6 +94,9 @@ pub struct ValidRequest {
     pub grammar: Option<crate::grammar::CompiledGrammar>,
     /// When the HTTP request arrived (queue-time metrics).
     pub arrived: Instant,
+    /// Within its class, lower runs first (vLLM's convention; default 0).
+    pub priority: i32,
+    pub class: RequestClass,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -119,6 +142,10 @@ pub enum InferEvent {
     End {
         reason: FinishReason,
         generated_tokens: u32,
+        /// The request's share of the steps it took part in: each step's
+        /// time split by the tokens each request computed in it. What the
+        /// request cost, in machine time (the Batch API prices it).
+        compute: Duration,
     },
 }
 

@@ -27,6 +27,11 @@
 //! choice, Lark/GBNF) with llguidance at validation time; `tool_calls` turns
 //! declared tools into such a grammar and parses calls back out of the text.
 //!
+//! The Batch API (`batch`): uploaded JSONL files and batches kept in an
+//! SQLite file under `--data-dir`; its runner sends each line through the
+//! generation driver of `http` in the scheduler's batch class, which runs
+//! below every interactive request (scheduler/share.rs).
+//!
 //! Beside the path: `metrics` names and records every Prometheus series,
 //! `telemetry` sets up logs and traces, `config` is the one typed
 //! configuration built from the command line at startup (its
@@ -39,6 +44,7 @@ pub mod pb {
 }
 
 pub mod http;
+pub mod batch;
 pub mod validation;
 pub mod tokenizer;
 pub mod chat_template;

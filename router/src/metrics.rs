@@ -82,6 +82,12 @@ fn describe() {
         "sluice_speculative_emitted_tokens",
         "Tokens emitted per request and step that carried a draft (accepted drafts + 1)"
     );
+    describe_counter!("sluice_batch_api_lines_total", "Batch API request lines finished, by outcome (success: a 200 answer)");
+    describe_counter!("sluice_batch_api_prompt_tokens_total", "Prompt tokens of finished Batch API lines (not in sluice_prompt_tokens_total)");
+    describe_counter!(
+        "sluice_batch_api_generated_tokens_total",
+        "Tokens generated for finished Batch API lines (not in sluice_generated_tokens_total)"
+    );
     // Counters exist (at 0) before their first event, so rates and alerts
     // see them from the start.
     for name in [
@@ -95,6 +101,8 @@ fn describe() {
         "sluice_step_failures_total",
         "sluice_speculative_proposed_tokens_total",
         "sluice_speculative_accepted_tokens_total",
+        "sluice_batch_api_prompt_tokens_total",
+        "sluice_batch_api_generated_tokens_total",
     ] {
         counter!(name).increment(0);
     }
@@ -125,6 +133,15 @@ pub fn tokens(prompt: usize, generated: u32) {
     histogram!("sluice_request_generated_tokens").record(f64::from(generated));
     counter!("sluice_prompt_tokens_total").increment(prompt as u64);
     counter!("sluice_generated_tokens_total").increment(u64::from(generated));
+}
+
+/// One finished Batch API line (batch/runner.rs): its tokens count apart
+/// from interactive traffic's.
+pub fn batch_line(succeeded: bool, prompt_tokens: u64, generated_tokens: u64) {
+    let outcome = if succeeded { "success" } else { "error" };
+    counter!("sluice_batch_api_lines_total", "outcome" => outcome).increment(1);
+    counter!("sluice_batch_api_prompt_tokens_total").increment(prompt_tokens);
+    counter!("sluice_batch_api_generated_tokens_total").increment(generated_tokens);
 }
 
 // -- scheduler --------------------------------------------------------------

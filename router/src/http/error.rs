@@ -11,6 +11,7 @@ use axum::Json;
 use serde::Serialize;
 use utoipa::ToSchema;
 
+use crate::batch::BatchError;
 use crate::infer::InferError;
 use crate::validation::ValidationError;
 
@@ -31,13 +32,16 @@ pub enum ApiError {
     /// The router is draining (SIGTERM) and takes no new requests.
     #[error("the server is shutting down")]
     Draining,
+    /// The Batch API (`/v1/files`, `/v1/batches`).
+    #[error(transparent)]
+    Batch(#[from] BatchError),
 }
 
 /// How long a client told "overloaded" should wait, in seconds.
 const RETRY_AFTER_SECS: &str = "1";
 
 impl ApiError {
-    fn openai_status(&self) -> StatusCode {
+    pub(crate) fn openai_status(&self) -> StatusCode {
         match self {
             Self::Validation(ValidationError::ModelNotFound(_)) => StatusCode::NOT_FOUND,
             Self::Validation(ValidationError::Tokenizer(_)) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -59,6 +63,12 @@ impl ApiError {
 
     fn common_status(&self) -> StatusCode {
         match self {
+            Self::Batch(BatchError::NotFound { .. }) => StatusCode::NOT_FOUND,
+            Self::Batch(BatchError::Invalid(_)) => StatusCode::BAD_REQUEST,
+            Self::Batch(BatchError::TooLarge { .. }) => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::Batch(BatchError::Conflict(_)) => StatusCode::CONFLICT,
+            Self::Batch(BatchError::Disabled) => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Batch(BatchError::Store(_)) => StatusCode::INTERNAL_SERVER_ERROR,
             Self::Validation(_) => StatusCode::BAD_REQUEST,
             Self::Infer(InferError::Overloaded(_)) => StatusCode::TOO_MANY_REQUESTS,
             Self::Infer(InferError::ShuttingDown) | Self::Draining => StatusCode::SERVICE_UNAVAILABLE,
@@ -82,6 +92,12 @@ impl ApiError {
             Self::Infer(InferError::ShuttingDown) | Self::Draining => ("service_unavailable", Some("shutting_down")),
             Self::Infer(InferError::Generation(_)) => ("server_error", Some("generation_failed")),
             Self::Unauthorized => ("authentication_error", Some("invalid_api_key")),
+            Self::Batch(BatchError::NotFound { .. }) => ("invalid_request_error", Some("not_found")),
+            Self::Batch(BatchError::Invalid(_)) => ("invalid_request_error", None),
+            Self::Batch(BatchError::TooLarge { .. }) => ("invalid_request_error", Some("payload_too_large")),
+            Self::Batch(BatchError::Conflict(_)) => ("invalid_request_error", Some("conflict")),
+            Self::Batch(BatchError::Disabled) => ("service_unavailable", Some("batch_api_disabled")),
+            Self::Batch(BatchError::Store(_)) => ("server_error", None),
         }
     }
 
@@ -96,6 +112,8 @@ impl ApiError {
             Self::Infer(InferError::ShuttingDown) | Self::Draining => "unhealthy",
             Self::Infer(InferError::Generation(_)) => "generation",
             Self::Unauthorized => "authentication",
+            Self::Batch(BatchError::Store(_)) => "generation",
+            Self::Batch(_) => "validation",
         }
     }
 

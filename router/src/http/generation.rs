@@ -21,7 +21,7 @@
 //! choice.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -30,11 +30,14 @@ use axum::response::Response;
 use futures::StreamExt;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
+use crate::batch::BatchError;
 use crate::detokenize::Detokenizer;
 use crate::http::error::{body_bytes, ApiError};
 use crate::http::sse::sse_response;
 use crate::http::state::AppState;
-use crate::infer::{FinishReason, GeneratedToken, InferError, InferEvent, InferStream, TokenLogprob, ValidRequest};
+use crate::infer::{
+    FinishReason, GeneratedToken, InferError, InferEvent, InferStream, RequestClass, TokenLogprob, ValidRequest,
+};
 use crate::metrics;
 use crate::stop::{StopMatcher, StopOutcome};
 use crate::tokenizer::Tokenizer;
@@ -77,6 +80,9 @@ pub enum GenEvent {
         /// Visible text released only at the end (held-back stop-sequence
         /// prefixes, a truncated final character).
         trailing: String,
+        /// The scheduler's `InferEvent::End::compute`; zero when a stop
+        /// sequence ended the request (it was cancelled, not finished).
+        compute: Duration,
     },
 }
 
@@ -140,6 +146,7 @@ impl Generation {
                 finish: Finish::StopSequence,
                 generated_tokens: self.generated,
                 trailing: String::new(),
+                compute: Duration::ZERO,
             }));
         }
         let event = match self.stream.as_mut()?.recv().await {
@@ -203,7 +210,7 @@ impl Generation {
                 };
                 Ok(GenEvent::Token { token, text, visible })
             }
-            InferEvent::End { reason, .. } => {
+            InferEvent::End { reason, compute, .. } => {
                 self.finished = true;
                 let rest = self.detokenizer.finish().map_err(tokenizer_failed)?;
                 let (finish, trailing) = match self.stop.push(&rest) {
@@ -221,6 +228,7 @@ impl Generation {
                     finish,
                     generated_tokens: self.generated,
                     trailing,
+                    compute,
                 })
             }
         }
@@ -246,10 +254,12 @@ impl Generation {
                     finish,
                     generated_tokens,
                     trailing,
+                    compute,
                 } => {
                     out.text.push_str(&trailing);
                     out.finish = Some(finish);
                     out.generated_tokens = generated_tokens;
+                    out.compute = compute;
                 }
             }
         }
@@ -277,6 +287,8 @@ pub struct Collected {
     pub generated_tokens: u32,
     pub cached_tokens: u32,
     pub prompt_logprobs: Vec<TokenLogprob>,
+    /// Machine time (see `GenEvent::End::compute`).
+    pub compute: Duration,
 }
 
 /// Token counts of one HTTP request, as OpenAI and vLLM count them:
@@ -426,6 +438,27 @@ pub async fn drive<S: StreamShape>(
     Ok(buffered(shape, results, usage))
 }
 
+/// One request run to its end away from HTTP (a Batch API line): the
+/// endpoint's own `prepare`, the same submission, in `class`, and its
+/// buffered answer (`stream` is ignored). Returns the answer, its usage and
+/// its machine time (summed over its choices).
+pub async fn run_collected<S: StreamShape, B>(
+    state: &Arc<AppState>,
+    body: Bytes,
+    class: RequestClass,
+    prepare: fn(&AppState, &[u8]) -> Result<Prepared<S>, ApiError>,
+    buffered: fn(S, Vec<Collected>, TokenUsage) -> B,
+) -> Result<(B, TokenUsage, Duration), ApiError> {
+    let Prepared { mut prompts, shape, .. } = state.off_runtime(move |state| prepare(state, &body)).await?;
+    for prompt in &mut prompts {
+        prompt.request.class = class;
+    }
+    let choices = Choices::submit(state, prompts).await?;
+    let (results, usage) = choices.collect(&mut RequestRecord::unrecorded("batch")).await?;
+    let compute = results.iter().map(|r| r.compute).sum();
+    Ok((buffered(shape, results, usage), usage, compute))
+}
+
 /// How an API turns the merged events of its choices into SSE events.
 pub trait StreamShape: Send + 'static {
     /// Sent before any token (completions' echoed prompts).
@@ -484,6 +517,14 @@ impl RequestRecord {
         }
     }
 
+    /// A record that counts nothing: batch lines are counted by the batch
+    /// runner, apart from HTTP requests (`metrics::batch_line`).
+    pub fn unrecorded(endpoint: &'static str) -> Self {
+        let mut record = Self::new(endpoint);
+        record.armed = false;
+        record
+    }
+
     /// Moves the record out (into a response stream that outlives the
     /// handler), leaving an inert one behind: the request is counted once,
     /// when the stream ends, not also as "cancelled" when the handler returns.
@@ -522,6 +563,8 @@ impl RequestRecord {
             ApiError::Infer(InferError::ShuttingDown) | ApiError::Draining => "unavailable",
             ApiError::Infer(InferError::Unschedulable(_)) => "invalid",
             ApiError::Infer(InferError::Generation(_)) => "error",
+            ApiError::Batch(BatchError::Store(_)) => "error",
+            ApiError::Batch(_) => "invalid",
         };
     }
 }

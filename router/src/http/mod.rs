@@ -42,6 +42,9 @@ use utoipa::{OpenApi, ToSchema};
 use crate::infer::SchedulerStats;
 use error::{ApiError, OpenAiError, TgiError};
 
+/// Room for a multipart upload's headers and boundaries beyond the file.
+const MULTIPART_SLACK: usize = 64 * 1024;
+
 pub struct HttpOptions {
     pub payload_limit: usize,
     pub cors_allow_origin: Vec<String>,
@@ -59,8 +62,21 @@ pub fn app(state: Arc<AppState>, options: &HttpOptions) -> Router {
         .layer(middleware::from_fn_with_state(state.clone(), reject_while_draining))
         // Outermost: one trace per generation request, including refusals.
         .layer(middleware::from_fn(crate::telemetry::trace_http));
+    // Uploads may be larger than any other body (--batch-max-file-bytes).
+    let file_limit = state.batches.as_ref().map_or(options.payload_limit, |b| b.config.max_file_bytes + MULTIPART_SLACK);
+    let batch_api = Router::new()
+        .route(
+            "/v1/files",
+            post(openai::files::upload).get(openai::files::list).layer(DefaultBodyLimit::max(file_limit)),
+        )
+        .route("/v1/files/{id}", get(openai::files::get).delete(openai::files::delete))
+        .route("/v1/files/{id}/content", get(openai::files::content))
+        .route("/v1/batches", post(openai::batches::create).get(openai::batches::list))
+        .route("/v1/batches/{id}", get(openai::batches::get))
+        .route("/v1/batches/{id}/cancel", post(openai::batches::cancel));
     let router = Router::new()
         .merge(generation)
+        .merge(batch_api)
         .route("/tokenize", post(tokenize))
         .route("/v1/models", get(openai::models))
         .route("/info", get(info))
@@ -82,7 +98,7 @@ pub fn app(state: Arc<AppState>, options: &HttpOptions) -> Router {
     router.layer(
         CorsLayer::new()
             .allow_origin(allowed_origins(&options.cors_allow_origin))
-            .allow_methods([Method::GET, Method::POST])
+            .allow_methods([Method::GET, Method::POST, Method::DELETE])
             .allow_headers([header::CONTENT_TYPE, header::AUTHORIZATION]),
     )
 }
@@ -288,6 +304,8 @@ fn tokenize_body(state: &AppState, body: &[u8]) -> Result<Vec<SimpleToken>, ApiE
         health, ready, info, metrics, tokenize, openai::models,
         tgi::generate, tgi::generate_stream, tgi::compat_generate,
         openai::chat::chat_completions, openai::completions::completions,
+        openai::files::upload, openai::files::list, openai::files::get, openai::files::delete, openai::files::content,
+        openai::batches::create, openai::batches::list, openai::batches::get, openai::batches::cancel,
     )
 )]
 pub struct ApiDoc;

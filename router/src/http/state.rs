@@ -9,6 +9,7 @@ use tokio::sync::Semaphore;
 use serde::Serialize;
 use utoipa::ToSchema;
 
+use crate::batch::Batches;
 use crate::infer::Infer;
 use crate::validation::Validation;
 
@@ -39,6 +40,9 @@ pub struct Info {
     pub hourly_cost: Option<f64>,
     /// Speculative decoding settings; null when off.
     pub speculation: Option<SpeculationInfo>,
+    /// The share of slots and step budget Batch API lines may always use
+    /// (`--batch-min-share`).
+    pub batch_min_share: f64,
 }
 
 /// `/info`'s view of `--speculate` and its settings.
@@ -81,6 +85,8 @@ pub struct AppState {
     pub started: Instant,
     /// Permits for [`AppState::off_runtime`]'s work: one per CPU.
     pub cpu_work: Arc<Semaphore>,
+    /// The Batch API's store (`--data-dir`); None: the routes answer 503.
+    pub batches: Option<Arc<Batches>>,
 }
 
 impl AppState {

@@ -65,6 +65,7 @@ fn build_with_shard(setup: Setup) -> (Router, Arc<AppState>, FakeShardHandle) {
         step_deadline: Default::default(),
         panic_at_step: None,
         speculation: None,
+        batch_min_share: 0.1,
     };
     let info = ShardInfo {
         model_type: "llama".into(),
@@ -111,6 +112,7 @@ fn build_with_shard(setup: Setup) -> (Router, Arc<AppState>, FakeShardHandle) {
             version: "test".into(),
             hourly_cost: setup.hourly_cost,
             speculation: None,
+            batch_min_share: 0.1,
         },
         metrics: crate::metrics::install(),
         draining: Arc::new(AtomicBool::new(false)),
@@ -118,6 +120,7 @@ fn build_with_shard(setup: Setup) -> (Router, Arc<AppState>, FakeShardHandle) {
         api_key: setup.api_key,
         started: Instant::now(),
         cpu_work: AppState::cpu_workers(),
+        batches: None,
     });
     let options =
         HttpOptions { payload_limit: setup.payload_limit, cors_allow_origin: setup.cors_allow_origin, web_ui: setup.web_ui };

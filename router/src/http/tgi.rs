@@ -57,6 +57,9 @@ pub struct TgiParameters {
     /// `{"type": "regex", "value": regex}` or `{"type": "json_schema",
     /// "value": {"name": ..., "schema": schema}}`.
     pub grammar: Option<TgiGrammar>,
+    /// Scheduling priority, lower runs first (default 0; a Sluice extra,
+    /// as vLLM's `priority`).
+    pub priority: Option<i32>,
 }
 
 /// TGI's `parameters.grammar`.
@@ -206,6 +209,7 @@ fn validate(state: &AppState, request: &TgiRequest, stream: bool) -> Result<Vali
         top_n_tokens_field: "top_n_tokens",
         prompt_logprobs: p.decoder_input_details,
         truncate: p.truncate,
+        priority: p.priority.unwrap_or(0),
         ..Default::default()
     };
     let prompt = Prompt::Text(request.inputs.clone());
@@ -299,7 +303,7 @@ impl StreamShape for TgiShape {
                 };
                 self.held.replace(next).map(|previous| json_event(&previous))
             }
-            GenEvent::End { finish, generated_tokens, trailing } => {
+            GenEvent::End { finish, generated_tokens, trailing, .. } => {
                 self.text.push_str(&trailing);
                 let mut last = self.held.take()?;
                 last.token.text.push_str(&trailing);

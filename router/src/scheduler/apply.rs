@@ -40,7 +40,7 @@ impl Scheduler {
         self.stats.evicted_blocks = self.kv.evicted;
         crate::metrics::step_finished(elapsed, plan.entries.len(), plan.tokens());
         match result {
-            Ok(response) => self.apply_response(plan, response),
+            Ok(response) => self.apply_response(plan, response, elapsed),
             Err(error) => self.fail_step(plan, error),
         }
         self.publish_occupancy();
@@ -69,7 +69,8 @@ impl Scheduler {
         self.kv.clear_cache();
     }
 
-    fn apply_response(&mut self, plan: StepPlan, response: pb::StepResponse) {
+    fn apply_response(&mut self, plan: StepPlan, response: pb::StepResponse, elapsed: std::time::Duration) {
+        let step_tokens = plan.tokens().max(1) as f64;
         let mut generations: HashMap<u64, Vec<pb::Generation>> = HashMap::new();
         for g in response.generations {
             generations.entry(g.id).or_default().push(g);
@@ -87,6 +88,8 @@ impl Scheduler {
             }
             let r = &mut self.running[index];
             r.on_shard = true;
+            // The step's time, split by the tokens each request computed.
+            r.compute += elapsed.mul_f64(entry.query_len() as f64 / step_tokens);
             let filled_before = r.num_computed_tokens / self.config.block_size as usize;
             r.num_computed_tokens += entry.num_new_tokens;
             if r.num_computed_tokens < r.tokens.len() {
@@ -179,7 +182,7 @@ impl Scheduler {
             None
         };
         if let Some(reason) = reason {
-            r.send(Ok(InferEvent::End { reason, generated_tokens: r.generated() }));
+            r.send(Ok(InferEvent::End { reason, generated_tokens: r.generated(), compute: r.compute }));
         }
         reason.is_some() || !alive
     }

@@ -46,6 +46,7 @@ mod preemption;
 mod queue;
 pub mod radix;
 mod request;
+mod share;
 mod speculation;
 mod step;
 mod trace;
@@ -58,7 +59,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::client::Shard;
-use crate::infer::{Command, Entry, Infer, InferError, SchedulerFailure, SchedulerStats, ShardInfo};
+use crate::infer::{Command, Entry, Infer, InferError, RequestClass, SchedulerFailure, SchedulerStats, ShardInfo};
 
 pub use speculation::SpeculationConfig;
 
@@ -92,6 +93,9 @@ pub struct SchedulerConfig {
     pub panic_at_step: Option<u64>,
     /// Speculative decoding (`--speculate ngram`); None: off.
     pub speculation: Option<SpeculationConfig>,
+    /// Fraction of the running slots and step budget batch lines may
+    /// always use while pending (`--batch-min-share`, in [0, 1); share.rs).
+    pub batch_min_share: f64,
 }
 
 /// How long one Step RPC may take. Past it the scheduler fails every request
@@ -291,10 +295,13 @@ impl Scheduler {
                 entries.len()
             )));
         }
-        let active = self.waiting.len() + self.running.len();
-        if active + entries.len() > limit {
+        // Batch lines do not count: the batch runner bounds its own, and they
+        // must never make an interactive request wait for a 429.
+        let active = self.waiting.len() + self.running.len() - self.count(RequestClass::Batch);
+        let asked = entries.iter().filter(|e| e.request.class == RequestClass::Interactive).count();
+        if asked > 0 && active + asked > limit {
             // The client learns no queue depth; the log does.
-            tracing::debug!(active, asked = entries.len(), "overloaded: --max-concurrent-requests reached");
+            tracing::debug!(active, asked, "overloaded: --max-concurrent-requests reached");
             return Err(InferError::Overloaded(
                 "the server is at its limit of concurrent requests; retry shortly".into(),
             ));

@@ -8,14 +8,27 @@
 //!  blocks [b0 b1] cover slots [0, 8) -> slot 8 needs a third block b2
 //! ```
 //!
-//! When the allocator is dry even after evicting cached blocks, the most
-//! recently admitted running request is preempted: its blocks go back (full
-//! ones into the tree, so its resumption is mostly a cache hit) and it
-//! returns to the front of the queue with prompt + generated tokens. The
-//! client sees only a pause: tokens already sent are not sent again.
+//! When the allocator is dry even after evicting cached blocks, a running
+//! request is preempted: the least important one, [`victim_key`] order
+//! (batch lines first, then the highest `priority` number, then the most
+//! recently admitted). Its blocks go back (full ones into the tree, so its
+//! resumption is mostly a cache hit) and it returns to the front of the
+//! queue with prompt + generated tokens. The client sees only a pause:
+//! tokens already sent are not sent again.
+//!
+//! An interactive request that finds no room at admission preempts batch
+//! lines the same way, down to the batch floor (share.rs).
 
+use super::request::Request;
+use super::share::BatchFloor;
 use super::step::StepPlan;
 use super::Scheduler;
+use crate::infer::RequestClass;
+
+/// The running request with the largest key is preempted first.
+fn victim_key(r: &Request) -> (RequestClass, i32, u64) {
+    (r.class(), r.request.priority, r.admitted)
+}
 
 impl Scheduler {
     /// Blocks needed to hold `tokens` slots.
@@ -40,21 +53,43 @@ impl Scheduler {
             if fits > 0 {
                 return fits;
             }
-            let victim = self.running.iter().max_by_key(|r| r.admitted).expect("non-empty").id;
-            if let Some(entry) = plan.remove(victim) {
-                *budget += entry.query_len();
-            }
-            self.preempt(victim);
+            let victim = self.running.iter().max_by_key(|r| victim_key(r)).expect("non-empty").id;
+            self.preempt_planned(plan, budget, victim);
             if victim == id {
                 return 0;
             }
         }
     }
 
+    /// Preempts the newest batch line if more than the floor's run (for an
+    /// interactive request that found no room); false when none may go.
+    pub(crate) fn preempt_batch_line(&mut self, plan: &mut StepPlan, budget: &mut usize, floor: &BatchFloor) -> bool {
+        if self.running_of(RequestClass::Batch) <= floor.slots {
+            return false;
+        }
+        let victim = self
+            .running
+            .iter()
+            .filter(|r| r.class() == RequestClass::Batch)
+            .max_by_key(|r| victim_key(r))
+            .expect("a batch line runs")
+            .id;
+        self.preempt_planned(plan, budget, victim);
+        true
+    }
+
+    /// Preempts `id`, taking it out of `plan` (its tokens back to `budget`).
+    fn preempt_planned(&mut self, plan: &mut StepPlan, budget: &mut usize, id: u64) {
+        if let Some(entry) = plan.remove(id) {
+            *budget += entry.query_len();
+        }
+        self.preempt(id);
+    }
+
     pub(crate) fn preempt(&mut self, id: u64) {
         let index = self.position(id).expect("preempting a running request");
         let mut r = self.running.remove(index);
-        tracing::debug!(id, generated = r.generated(), "preempted: out of KV blocks");
+        tracing::debug!(id, generated = r.generated(), class = ?r.class(), "preempted");
         if r.on_shard {
             self.finished.push(r.id);
         }

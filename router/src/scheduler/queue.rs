@@ -1,5 +1,9 @@
 //! The order in which waiting requests are considered for admission.
 //!
+//! First by class (every interactive request before any batch line, see
+//! share.rs), then by `priority` (lower first, as vLLM orders it), then
+//! within one class and priority:
+//!
 //! 1. Resumed (preempted) requests, queue order: they already streamed
 //!    tokens to a client that is waiting for the rest.
 //! 2. Requests passed over `MAX_PASSED_OVER` times, queue order: the
@@ -8,31 +12,39 @@
 //!    blocks are hot now, before eviction takes them), queue order on ties.
 //!
 //! Only the first `WINDOW` waiting requests are ranked, so a long queue
-//! costs a bounded number of tree walks per step.
+//! costs a bounded number of tree walks per step. The window is taken in
+//! class and priority order, so batch lines queued first never hide an
+//! interactive request behind them.
+
+use std::cmp::Reverse;
 
 use super::kv::KvCache;
 use super::request::Request;
+use crate::infer::RequestClass;
 
 pub(crate) const MAX_PASSED_OVER: u32 = 8;
 const WINDOW: usize = 256;
 
 pub(crate) fn admission_order<'a>(waiting: impl Iterator<Item = &'a Request>, kv: &KvCache) -> Vec<u64> {
-    let mut ranked: Vec<(u8, std::cmp::Reverse<usize>, u64)> = waiting
-        .take(WINDOW)
+    let mut candidates: Vec<&Request> = waiting.collect();
+    // Stable: queue order survives among equals (ids grow with arrival, but
+    // a resumed request keeps its old id, so the key cannot be the id).
+    candidates.sort_by_key(|r| (r.class(), r.request.priority));
+    candidates.truncate(WINDOW);
+    let mut ranked: Vec<((RequestClass, i32, u8, Reverse<usize>), u64)> = candidates
+        .into_iter()
         .map(|r| {
-            let class = if r.resumed {
+            let rank = if r.resumed {
                 0
             } else if r.passed_over >= MAX_PASSED_OVER {
                 1
             } else {
                 2
             };
-            let cached = if class == 2 && !r.wants_prompt_logprobs() { kv.peek_cached_blocks(&r.tokens) } else { 0 };
-            (class, std::cmp::Reverse(cached), r.id)
+            let cached = if rank == 2 && !r.wants_prompt_logprobs() { kv.peek_cached_blocks(&r.tokens) } else { 0 };
+            ((r.class(), r.request.priority, rank, Reverse(cached)), r.id)
         })
         .collect();
-    // Stable: queue order survives among equals (ids grow with arrival, but
-    // a resumed request keeps its old id, so the key cannot be the id).
-    ranked.sort_by_key(|&(class, cached, _)| (class, cached));
-    ranked.into_iter().map(|(_, _, id)| id).collect()
+    ranked.sort_by_key(|&(key, _)| key);
+    ranked.into_iter().map(|(_, id)| id).collect()
 }

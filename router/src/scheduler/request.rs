@@ -17,7 +17,7 @@ use std::time::Instant;
 
 use super::kv::BlockTable;
 use super::speculation::Adaptive;
-use crate::infer::{Entry, InferError, InferEvent, ValidRequest};
+use crate::infer::{Entry, InferError, InferEvent, RequestClass, ValidRequest};
 use crate::pb;
 
 pub(crate) struct Request {
@@ -50,6 +50,8 @@ pub(crate) struct Request {
     pub queue_span: Option<tracing::Span>,
     /// How many draft tokens it proposes (speculative decoding).
     pub speculation: Adaptive,
+    /// Its share of the time of the steps it took part in (apply.rs).
+    pub compute: std::time::Duration,
 }
 
 impl Request {
@@ -75,7 +77,12 @@ impl Request {
             span,
             queue_span,
             speculation: Adaptive::default(),
+            compute: std::time::Duration::ZERO,
         }
+    }
+
+    pub fn class(&self) -> RequestClass {
+        self.request.class
     }
 
     pub fn generated(&self) -> u32 {

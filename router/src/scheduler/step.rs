@@ -119,7 +119,10 @@ impl Scheduler {
             }
             // A request preempted to make room for an older one is gone.
             let Some(index) = self.position(id) else { continue };
-            let want = self.running[index].remaining().min(*budget);
+            let want = self.running[index].remaining().min(self.chunk_room(plan, *budget, id));
+            if want == 0 {
+                continue; // a batch line's chunk waits for interactive admissions (share.rs)
+            }
             let first_new_block = self.running[index].blocks.len();
             let num_new_tokens = self.grow(plan, budget, id, want);
             if num_new_tokens == 0 {

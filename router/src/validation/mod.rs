@@ -41,7 +41,7 @@ use std::time::Instant;
 
 use crate::chat_template::ChatTemplate;
 use crate::grammar::{CompiledGrammar, GrammarCompiler};
-use crate::infer::ValidRequest;
+use crate::infer::{RequestClass, ValidRequest};
 use crate::tokenizer::Tokenizer;
 use crate::tool_calls::ToolFormat;
 
@@ -214,6 +214,8 @@ impl Validation {
                 prompt_logprobs: params.prompt_logprobs,
                 grammar,
                 arrived: Instant::now(),
+                priority: params.priority,
+                class: RequestClass::Interactive,
             },
             stop: params.stop,
             n: params.n,

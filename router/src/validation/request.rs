@@ -68,6 +68,8 @@ pub struct GenerateParameters {
     /// The output constraint, and the request field it came from (named in
     /// the 400 when it does not compile).
     pub constraint: Option<(String, Constraint)>,
+    /// Scheduling priority: lower runs first (vLLM's `priority`).
+    pub priority: i32,
 }
 
 impl Default for GenerateParameters {
@@ -100,6 +102,7 @@ impl Default for GenerateParameters {
             min_tokens: 0,
             truncate: None,
             constraint: None,
+            priority: 0,
         }
     }
 }

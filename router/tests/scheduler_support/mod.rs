@@ -10,7 +10,7 @@ use rand::{Rng, SeedableRng};
 
 use sluice_router::testing::fake_shard::{next_token, FakeShard, FakeShardConfig, FakeShardHandle};
 use sluice_router::infer::{
-    FinishReason, Infer, InferError, InferEvent, InferStream, SamplingParameters, SchedulerStats, ShardInfo,
+    FinishReason, Infer, InferError, InferEvent, InferStream, RequestClass, SamplingParameters, SchedulerStats, ShardInfo,
     ValidRequest,
 };
 use sluice_router::scheduler::{spawn, SchedulerConfig};
@@ -33,6 +33,7 @@ pub fn scheduler_config(fake: &FakeShardConfig) -> SchedulerConfig {
         step_deadline: Default::default(),
         panic_at_step: None,
         speculation: None,
+        batch_min_share: 0.1,
     }
 }
 
@@ -69,6 +70,8 @@ pub fn request(prompt: Vec<u32>, max_new_tokens: u32) -> ValidRequest {
         prompt_logprobs: false,
         grammar: None,
         arrived: Instant::now(),
+        priority: 0,
+        class: RequestClass::Interactive,
     }
 }
 
@@ -108,7 +111,7 @@ pub async fn read_into(stream: &mut InferStream, out: &mut Outcome, limit: Optio
                 assert!(out.end.is_none(), "Token after End");
                 out.tokens.push(t.token_id);
             }
-            Some(Ok(InferEvent::End { reason, generated_tokens })) => {
+            Some(Ok(InferEvent::End { reason, generated_tokens, .. })) => {
                 assert!(out.end.is_none(), "two Ends");
                 out.end = Some((reason, generated_tokens));
             }

@@ -10,6 +10,7 @@
 //! `tool_calls` when the model called something and stopped by itself.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -27,10 +28,12 @@ use super::types::{
 use super::{fingerprint, parameters, ResponseId};
 use crate::chat_template::TemplateMessage;
 use crate::http::error::{parse_json, ApiError, OpenAiError};
-use crate::http::generation::{drive, Collected, Finish, GenEvent, Prepared, RequestRecord, StreamShape, TokenUsage};
+use crate::http::generation::{
+    drive, run_collected, Collected, Finish, GenEvent, Prepared, RequestRecord, StreamShape, TokenUsage,
+};
 use crate::http::sse::{done_event, json_event};
 use crate::http::state::AppState;
-use crate::infer::GeneratedToken;
+use crate::infer::{GeneratedToken, RequestClass};
 use crate::tokenizer::Tokenizer;
 use crate::tool_calls::stream::{ToolCallParser, ToolEvent};
 use crate::validation::{one_constraint, Prompt, ValidTools, ValidationError};
@@ -53,6 +56,12 @@ pub async fn chat_completions(
     })
     .await;
     Ok(record.settle(result)?)
+}
+
+/// One Batch API line for this endpoint: what `chat_completions` would
+/// answer, in the scheduler's batch class.
+pub(crate) async fn batch_line(state: &Arc<AppState>, body: Bytes) -> Result<(ChatCompletion, TokenUsage, Duration), ApiError> {
+    run_collected(state, body, RequestClass::Batch, prepare, |mut shape, results, usage| shape.completion(results, usage)).await
 }
 
 /// The request's work, off the async runtime: parse, render the template,

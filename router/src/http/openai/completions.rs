@@ -3,6 +3,7 @@
 //! prepends the prompt (and, with `logprobs`, its logprobs).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -15,10 +16,12 @@ use super::types::{Completion, CompletionChoice, CompletionLogprobs, CompletionR
 use super::structured::openai_constraint;
 use super::{fingerprint, parameters, ResponseId};
 use crate::http::error::{parse_json, ApiError, OpenAiError};
-use crate::http::generation::{drive, Collected, Finish, GenEvent, Prepared, RequestRecord, StreamShape, TokenUsage};
+use crate::http::generation::{
+    drive, run_collected, Collected, Finish, GenEvent, Prepared, RequestRecord, StreamShape, TokenUsage,
+};
 use crate::http::sse::{done_event, json_event};
 use crate::http::state::AppState;
-use crate::infer::{GeneratedToken, TokenLogprob};
+use crate::infer::{GeneratedToken, RequestClass, TokenLogprob};
 use crate::tokenizer::Tokenizer;
 use crate::validation::{Prompt, Validated};
 
@@ -42,6 +45,12 @@ pub async fn completions(
     })
     .await;
     Ok(record.settle(result)?)
+}
+
+/// One Batch API line for this endpoint: what `completions` would answer,
+/// in the scheduler's batch class.
+pub(crate) async fn batch_line(state: &Arc<AppState>, body: Bytes) -> Result<(Completion, TokenUsage, Duration), ApiError> {
+    run_collected(state, body, RequestClass::Batch, prepare, |shape, results, usage| shape.completion(&results, usage)).await
 }
 
 /// The request's work, off the async runtime: parse, tokenize every prompt,

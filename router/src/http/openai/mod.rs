@@ -1,5 +1,7 @@
 //! OpenAI-compatible `POST /v1/chat/completions` (`chat`),
-//! `POST /v1/completions` (`completions`) and `GET /v1/models`. Each handler
+//! `POST /v1/completions` (`completions`) and `GET /v1/models`; the Batch
+//! API's `/v1/files` (`files`) and `/v1/batches` (`batches`), whose lines
+//! run as these endpoints' requests (`batch_lines`). Each handler
 //! maps its body to the router's parameters and shapes the answer; the
 //! generation driver (`http::generation`) does the rest.
 //!
@@ -18,8 +20,11 @@
 //! choice found the prefix cache), and the tokens of every choice
 //! (`completion_tokens`).
 
+pub mod batch_lines;
+pub mod batches;
 pub mod chat;
 pub mod completions;
+pub mod files;
 pub mod structured;
 pub mod types;
 
@@ -64,6 +69,7 @@ fn parameters(state: &AppState, s: &SamplingFields, max_new_tokens: Option<u64>)
         stop: s.stop.clone().map(StopSpec::into_vec).unwrap_or_default(),
         ignore_eos: s.ignore_eos.unwrap_or(false),
         min_tokens: s.min_tokens.unwrap_or(0),
+        priority: s.priority.unwrap_or(0),
         ..Default::default()
     }
 }

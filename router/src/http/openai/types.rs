@@ -60,6 +60,8 @@ pub struct SamplingFields {
     pub ignore_eos: Option<bool>,
     /// vLLM extra: EOS is masked until this many tokens.
     pub min_tokens: Option<u32>,
+    /// vLLM extra: scheduling priority, lower runs first (default 0).
+    pub priority: Option<i32>,
 }
 
 /// One part of a message's content; only text parts are supported.

@@ -1,0 +1,86 @@
+//! The batch class's floor (`--batch-min-share`).
+//!
+//! Batch lines (the Batch API, `batch/`) run in what interactive requests
+//! leave: they rank after every interactive request (queue.rs), are admitted
+//! only into free slots, blocks and step budget (admission.rs), and are the
+//! first preempted (preemption.rs). A steady interactive load would then
+//! starve them, so while batch lines are pending a fraction of the running
+//! slots and of each step's token budget stays theirs:
+//!
+//! ```text
+//!  max_batch_size 10, share 0.2, batch lines pending:
+//!  slots   [ i i i i i i i i | b b ]   interactive at most 8, batch at least 2
+//!  budget  [ interactive ... | >= 20% batch ]
+//!  an interactive arrival preempts batch lines down to 2, never below
+//! ```
+//!
+//! The floor reserves only what batch lines can use: with none pending,
+//! interactive requests may take everything; with fewer pending than the
+//! floor's slots, only as many slots are held back.
+
+use super::step::StepPlan;
+use super::Scheduler;
+use crate::infer::RequestClass;
+
+/// What batch lines may always use while some are pending.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct BatchFloor {
+    /// Running slots.
+    pub slots: usize,
+    /// Tokens computed per step.
+    pub tokens: usize,
+}
+
+impl Scheduler {
+    /// The floor now: `--batch-min-share` of the slots and of the step
+    /// budget (at least one of each when the share is above 0), limited to
+    /// the batch lines there are.
+    pub(crate) fn batch_floor(&self) -> BatchFloor {
+        let share = self.config.batch_min_share;
+        let pending = self.count(RequestClass::Batch);
+        if share <= 0.0 || pending == 0 {
+            return BatchFloor { slots: 0, tokens: 0 };
+        }
+        let of = |total: u32| ((f64::from(total) * share).ceil() as usize).clamp(1, total as usize);
+        BatchFloor {
+            slots: of(self.config.max_batch_size).min(pending),
+            tokens: of(self.config.max_batch_prefill_tokens),
+        }
+    }
+
+    /// Waiting + running requests of `class`.
+    pub(crate) fn count(&self, class: RequestClass) -> usize {
+        self.waiting.iter().chain(&self.running).filter(|r| r.class() == class).count()
+    }
+
+    pub(crate) fn running_of(&self, class: RequestClass) -> usize {
+        self.running.iter().filter(|r| r.class() == class).count()
+    }
+
+    pub(crate) fn interactive_waiting(&self) -> bool {
+        self.waiting.iter().any(|r| r.class() == RequestClass::Interactive)
+    }
+
+    /// Tokens `plan` computes for requests of `class`.
+    pub(crate) fn planned_tokens(&self, plan: &StepPlan, class: RequestClass) -> usize {
+        plan.entries
+            .iter()
+            .filter(|e| self.position(e.id).is_some_and(|i| self.running[i].class() == class))
+            .map(|e| e.query_len())
+            .sum()
+    }
+
+    /// The most tokens a running request's next prefill chunk may take
+    /// from `budget`: all of it, except for a batch line while interactive
+    /// requests wait, which gets only what is left of the batch floor (the
+    /// rest of the step is theirs to be admitted into).
+    pub(crate) fn chunk_room(&self, plan: &StepPlan, budget: usize, id: u64) -> usize {
+        let Some(index) = self.position(id) else { return budget };
+        let r = &self.running[index];
+        if r.class() != RequestClass::Batch || r.remaining() == 1 || !self.interactive_waiting() {
+            return budget;
+        }
+        let floor = self.batch_floor().tokens;
+        budget.min(floor.saturating_sub(self.planned_tokens(plan, RequestClass::Batch)))
+    }
+}
