@@ -13,13 +13,13 @@ use std::time::Duration;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use scheduler_support::*;
-use sluice_router::infer::{Infer, InferError, InferStream, RequestClass, ValidRequest};
+use sluice_router::infer::{Infer, InferError, RequestClass, ValidRequest};
 
 fn classed(prompt: Vec<u32>, max_new_tokens: u32, class: RequestClass, priority: i32) -> ValidRequest {
     ValidRequest { class, priority, ..request(prompt, max_new_tokens) }
 }
 
-async fn submit(infer: &Infer, r: ValidRequest) -> InferStream {
+async fn submit(infer: &Infer, r: ValidRequest) -> sluice_router::infer::InferStream {
     infer.generate(r).await.expect("accepted")
 }
 
@@ -67,37 +67,47 @@ async fn an_interactive_request_preempts_batch_lines_down_to_their_floor() {
 
 #[tokio::test]
 async fn lower_priority_numbers_are_admitted_first() {
-    let fake = fake_config(256, 4);
+    let mut fake = fake_config(256, 4);
+    fake.latency = Duration::from_millis(2);
     let mut config = scheduler_config(&fake);
     config.max_batch_size = 1;
     let (infer, handle) = start(fake.clone(), config);
 
-    let mut holder = submit(&infer, classed(prompt(0), 20, RequestClass::Interactive, 0)).await;
-    let first = read(&mut holder, Some(1)).await; // it holds the only slot
-    let mut late = submit(&infer, classed(prompt(1), 3, RequestClass::Interactive, 5)).await;
-    let mut urgent = submit(&infer, classed(prompt(2), 3, RequestClass::Interactive, -1)).await;
-    let mut batch = submit(&infer, classed(prompt(3), 3, RequestClass::Batch, -100)).await;
-
+    let mut holder = submit(&infer, classed(prompt(0), 100, RequestClass::Interactive, 0)).await;
+    let mut holder_out = read(&mut holder, Some(1)).await; // it holds the only slot
+    // Queued together (one command), so only their rank orders them.
+    let queued = [
+        ("late", classed(prompt(1), 3, RequestClass::Interactive, 5)),
+        ("urgent", classed(prompt(2), 3, RequestClass::Interactive, -1)),
+        ("batch", classed(prompt(3), 3, RequestClass::Batch, -100)),
+        ("plain", classed(prompt(4), 3, RequestClass::Interactive, 0)),
+    ];
+    let names: Vec<&str> = queued.iter().map(|(name, _)| *name).collect();
+    let streams = infer
+        .generate_all(queued.into_iter().map(|(_, r)| (r, tracing::Span::none())).collect())
+        .await
+        .expect("accepted");
     let order = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let finish = |name: &'static str, stream: &mut InferStream| {
-        let order = order.clone();
-        let stream = std::mem::replace(stream, tokio::sync::mpsc::unbounded_channel().1);
-        tokio::spawn(async move {
-            let mut stream = stream;
-            let out = read(&mut stream, None).await;
-            assert_eq!(out.error, None);
-            order.lock().unwrap().push(name);
+    let tasks: Vec<_> = names
+        .into_iter()
+        .zip(streams)
+        .map(|(name, mut stream)| {
+            let order = order.clone();
+            tokio::spawn(async move {
+                let out = read(&mut stream, None).await;
+                assert_eq!(out.error, None);
+                order.lock().unwrap().push(name);
+            })
         })
-    };
-    let tasks = [finish("late", &mut late), finish("urgent", &mut urgent), finish("batch", &mut batch)];
-    let mut holder_out = first;
+        .collect();
     read_into(&mut holder, &mut holder_out, None).await;
+    assert_eq!(holder_out.tokens.len(), 100);
     for task in tasks {
         task.await.unwrap();
     }
     // Class first (a batch line's priority never lifts it above an
     // interactive request), then priority.
-    assert_eq!(*order.lock().unwrap(), ["urgent", "late", "batch"]);
+    assert_eq!(*order.lock().unwrap(), ["urgent", "plain", "late", "batch"]);
     assert_no_leak(&infer, &handle).await;
 }
 
@@ -147,7 +157,8 @@ async fn the_batch_floor_keeps_batch_lines_running_under_a_flood() {
 
 #[tokio::test]
 async fn batch_lines_do_not_count_toward_the_concurrency_limit() {
-    let fake = fake_config(256, 4);
+    let mut fake = fake_config(256, 4);
+    fake.latency = Duration::from_millis(2);
     let mut config = scheduler_config(&fake);
     config.max_concurrent_requests = 2;
     let (infer, handle) = start(fake.clone(), config);
@@ -155,8 +166,8 @@ async fn batch_lines_do_not_count_toward_the_concurrency_limit() {
     for i in 0..6 {
         lines.push(submit(&infer, classed(prompt(i), 4, RequestClass::Batch, 0)).await);
     }
-    let mut a = submit(&infer, classed(prompt(7), 4, RequestClass::Interactive, 0)).await;
-    let mut b = submit(&infer, classed(prompt(8), 4, RequestClass::Interactive, 0)).await;
+    let mut a = submit(&infer, classed(prompt(7), 100, RequestClass::Interactive, 0)).await;
+    let mut b = submit(&infer, classed(prompt(8), 100, RequestClass::Interactive, 0)).await;
     let refused = infer.generate(classed(prompt(9), 4, RequestClass::Interactive, 0)).await;
     assert!(matches!(refused, Err(InferError::Overloaded(_))), "the third interactive request is over the limit");
     for stream in lines.iter_mut().chain([&mut a, &mut b]) {

@@ -477,6 +477,8 @@ fn open_connection(dir: &Path) -> Result<Connection, StoreError> {
     create_private_dir(dir)?;
     let path = dir.join(DB_FILE);
     let connection = Connection::open(&path)?;
+    // Another server's lock is an answer, not something to wait for.
+    connection.busy_timeout(std::time::Duration::ZERO)?;
     // Exclusive locking before the first access to a WAL database: SQLite
     // then keeps the WAL index in memory (no -shm file) and holds the lock
     // for as long as the connection lives.
@@ -627,4 +629,111 @@ pub fn line_result_id() -> String {
 
 fn to_json<T: serde::Serialize>(value: &T) -> String {
     serde_json::to_string(value).expect("plain data serializes")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::batch::types::LineResponse;
+
+    fn temp_dir() -> PathBuf {
+        std::env::temp_dir().join(format!("sluice-store-test-{}", uuid::Uuid::new_v4().simple()))
+    }
+
+    fn new_batch(id: &str) -> NewBatch {
+        NewBatch {
+            id: id.into(),
+            endpoint: Endpoint::Completions,
+            input_file_id: "file-x".into(),
+            completion_window: "24h".into(),
+            created_at: 1,
+            expires_at: 100,
+            metadata: None,
+        }
+    }
+
+    fn answered(custom_id: &str, status_code: u16) -> LineOutcome {
+        LineOutcome {
+            id: line_result_id(),
+            custom_id: Some(custom_id.into()),
+            response: Some(LineResponse { status_code, request_id: "req".into(), body: serde_json::json!({"ok": custom_id}) }),
+            error: None,
+        }
+    }
+
+    fn request(line: u64) -> InputLine {
+        InputLine::Request { line, custom_id: format!("c{line}"), body: "{}".into() }
+    }
+
+    #[tokio::test]
+    async fn lines_finish_once_and_survive_a_reopen() {
+        let dir = temp_dir();
+        let store = Store::open(&dir).unwrap();
+        let invalid = InputLine::Invalid { line: 2, custom_id: None, message: "line 2: bad".into() };
+        store.create_batch(new_batch("b"), vec![request(1), invalid, request(3), request(4)]).await.unwrap();
+        assert!(matches!(Store::open(&dir), Err(StoreError::InUse(_))), "a second server must not open it");
+        // Lines finish only while the batch runs.
+        assert!(!store.finish_line("b".into(), 1, answered("c1", 200), LineUsage::default()).await.unwrap());
+        store.transition("b".into(), &[BatchStatus::Validating], BatchStatus::InProgress, 5).await.unwrap();
+        let usage = LineUsage { input_tokens: 3, cached_tokens: 1, output_tokens: 2, compute_seconds: 0.5 };
+        assert!(store.finish_line("b".into(), 3, answered("c3", 200), usage).await.unwrap());
+        assert!(!store.finish_line("b".into(), 3, answered("c3", 200), usage).await.unwrap(), "done twice");
+        assert!(store.finish_line("b".into(), 4, answered("c4", 400), LineUsage::default()).await.unwrap());
+        let pending = store.pending_lines("b".into(), 0, 10).await.unwrap();
+        assert_eq!(pending.iter().map(|l| l.line).collect::<Vec<_>>(), [1]);
+        drop(store);
+
+        // The lock went with the store; what was committed is there.
+        let store = Store::open(&dir).unwrap();
+        let batch = store.batch("b".into(), "m".into(), Some(3600.0)).await.unwrap().unwrap();
+        assert_eq!(batch.request_counts, RequestCounts { total: 4, completed: 1, failed: 2 });
+        assert_eq!((batch.usage.input_tokens, batch.usage.output_tokens, batch.usage.total_tokens), (3, 2, 5));
+        assert_eq!(batch.usage.cost_dollars, Some(0.5));
+        assert_eq!(batch.in_progress_at, Some(5));
+        assert!(!store.all_done("b".into()).await.unwrap());
+
+        // Expiry: the line never run goes to the error file, in input order.
+        store.finalize("b".into(), BatchStatus::Expired, 9).await.unwrap();
+        let batch = store.batch("b".into(), "m".into(), None).await.unwrap().unwrap();
+        assert_eq!((batch.status, batch.expired_at), (BatchStatus::Expired, Some(9)));
+        assert_eq!(batch.request_counts.failed, 3);
+        let errors = store.file_content(batch.error_file_id.unwrap()).await.unwrap().unwrap();
+        let errors: Vec<LineOutcome> =
+            String::from_utf8(errors).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        let codes: Vec<_> = errors
+            .iter()
+            .map(|e| (e.custom_id.clone(), e.error.as_ref().map(|e| e.code.clone()), e.response.as_ref().map(|r| r.status_code)))
+            .collect();
+        assert_eq!(
+            codes,
+            [
+                (Some("c1".into()), Some("batch_expired".into()), None),
+                (None, Some("invalid_request_line".into()), None),
+                (Some("c4".into()), None, Some(400)),
+            ]
+        );
+        let output = store.file_content(batch.output_file_id.unwrap()).await.unwrap().unwrap();
+        assert_eq!(String::from_utf8(output).unwrap().lines().count(), 1);
+        // An ended batch takes no more results.
+        assert!(!store.finish_line("b".into(), 1, answered("c1", 200), LineUsage::default()).await.unwrap());
+        drop(store);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[tokio::test]
+    async fn pages_go_newest_first() {
+        let dir = temp_dir();
+        let store = Store::open(&dir).unwrap();
+        for id in ["a", "b", "c"] {
+            store.create_batch(new_batch(id), vec![request(1)]).await.unwrap();
+        }
+        let ids = |batches: Vec<BatchObject>| batches.into_iter().map(|b| b.id).collect::<Vec<_>>();
+        let page = store.batches(None, 2, "m".into(), None).await.unwrap().unwrap();
+        assert_eq!(ids(page), ["c", "b", "a"], "limit + 1 rows tell whether there are more");
+        let page = store.batches(Some("b".into()), 2, "m".into(), None).await.unwrap().unwrap();
+        assert_eq!(ids(page), ["a"]);
+        assert!(store.batches(Some("zz".into()), 2, "m".into(), None).await.unwrap().is_none());
+        drop(store);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
 }

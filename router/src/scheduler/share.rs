@@ -33,15 +33,17 @@ pub(crate) struct BatchFloor {
 
 impl Scheduler {
     /// The floor now: `--batch-min-share` of the slots and of the step
-    /// budget (at least one of each when the share is above 0), limited to
-    /// the batch lines there are.
+    /// budget (at least one of each when the share is above 0, and never
+    /// all of them), limited to the batch lines there are.
     pub(crate) fn batch_floor(&self) -> BatchFloor {
         let share = self.config.batch_min_share;
         let pending = self.count(RequestClass::Batch);
         if share <= 0.0 || pending == 0 {
             return BatchFloor { slots: 0, tokens: 0 };
         }
-        let of = |total: u32| ((f64::from(total) * share).ceil() as usize).clamp(1, total as usize);
+        // At least one of each, but never all: interactive requests must
+        // always be able to run.
+        let of = |total: u32| ((f64::from(total) * share).ceil() as usize).clamp(1, total.max(2) as usize - 1);
         BatchFloor {
             slots: of(self.config.max_batch_size).min(pending),
             tokens: of(self.config.max_batch_prefill_tokens),
