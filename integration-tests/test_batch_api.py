@@ -48,7 +48,7 @@ def jsonl(lines: list) -> bytes:
 
 def chat_line(custom_id: str, content: str, system: str | None = None, **extra) -> dict:
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
-    body = {"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0, **extra}
+    body = {"messages": messages, "max_tokens": 8, "temperature": 0, **extra}
     return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
 
 
@@ -85,7 +85,7 @@ def test_a_chat_batch_answers_as_the_online_api_does(server, client):
     requests = [chat_line(f"req-{i}", f"Question number {i}: name a colour.", system=system) for i in range(5)]
     requests.append(chat_line("no-system", "Hello there", seed=3, max_tokens=6))
     broken = {"custom_id": "broken-body", "method": "POST", "url": "/v1/chat/completions",
-              "body": {"model": "tiny", "max_tokens": 4}}  # no messages: the endpoint's own 400
+              "body": {"max_tokens": 4}}  # no messages: the endpoint's own 400
     lines = [*requests, broken, '{"custom_id": "cut-off", "method": "POST"', chat_line("wrong-url", "x") | {"url": "/v1/completions"}]
     generated_before = metric(server.base_url, "sluice_batch_api_generated_tokens_total")
 
@@ -144,7 +144,7 @@ def test_a_chat_batch_answers_as_the_online_api_does(server, client):
 def test_a_completions_batch_answers_as_the_online_api_does(client):
     prompts = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time"]
     lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
-              "body": {"model": "tiny", "prompt": p, "max_tokens": 6, "temperature": 0}} for i, p in enumerate(prompts)]
+              "body": {"prompt": p, "max_tokens": 6, "temperature": 0}} for i, p in enumerate(prompts)]
     uploaded = client.files.create(file=("c.jsonl", jsonl(lines)), purpose="batch")
     batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
     batch, _ = wait_done(client, batch.id)

@@ -39,7 +39,7 @@ def test_kill_9_mid_batch_then_restart_finishes_every_line_once(tiny_model_dir, 
     client = OpenAI(base_url=f"{first.base_url}/v1", api_key="-", max_retries=0)
     body = "".join(
         json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
-                    "body": {"model": "tiny", "prompt": f"Item {i}:", "max_tokens": 3, "temperature": 0,
+                    "body": {"prompt": f"Item {i}:", "max_tokens": 3, "temperature": 0,
                              "ignore_eos": True}}) + "\n"
         for i in range(LINES))
     uploaded = client.files.create(file=("five-hundred.jsonl", body.encode()), purpose="batch")
