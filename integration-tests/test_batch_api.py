@@ -110,7 +110,7 @@ def test_a_chat_batch_answers_as_the_online_api_does(server, client):
         assert line["error"] is None and line["response"]["status_code"] == 200
         assert line["id"].startswith("batch_req_")
         answer = line["response"]["body"]
-        online = client.chat.completions.create(**request["body"])
+        online = client.chat.completions.create(model=client.models.list().data[0].id, **request["body"])
         assert answer["object"] == "chat.completion"
         assert answer["choices"][0]["message"]["content"] == online.choices[0].message.content, request["custom_id"]
         assert answer["choices"][0]["finish_reason"] == online.choices[0].finish_reason
@@ -151,7 +151,7 @@ def test_a_completions_batch_answers_as_the_online_api_does(client):
     assert batch.status == "completed" and batch.error_file_id is None
     outputs = {line["custom_id"]: line["response"]["body"] for line in read_lines(client, batch.output_file_id)}
     for line in lines:
-        online = client.completions.create(**line["body"])
+        online = client.completions.create(model=client.models.list().data[0].id, **line["body"])
         assert outputs[line["custom_id"]]["choices"][0]["text"] == online.choices[0].text
 
 
