@@ -23,7 +23,7 @@
 //! batches twice. The lock goes with the process, however it ends.
 
 use std::path::{Path, PathBuf};
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 
 use rusqlite::{params, Connection, OptionalExtension, Transaction};
 use tokio::sync::oneshot;
@@ -54,10 +54,27 @@ pub enum StoreError {
 type Job = Box<dyn FnOnce(&mut Connection) + Send>;
 
 /// A handle on the database thread; cheap to clone. The thread ends when
-/// the last handle is dropped.
+/// the last handle is dropped, and that drop waits for it: the connection,
+/// and with it the lock, is closed once the drop returns.
 #[derive(Clone)]
 pub struct Store {
-    jobs: mpsc::Sender<Job>,
+    thread: Arc<DbThread>,
+}
+
+struct DbThread {
+    jobs: Option<mpsc::Sender<Job>>,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for DbThread {
+    fn drop(&mut self) {
+        // Closing the channel ends the thread's loop after the jobs queued.
+        self.jobs.take();
+        // (A job holding the last handle ends on the thread itself: no join.)
+        if let Some(handle) = self.handle.take().filter(|h| h.thread().id() != std::thread::current().id()) {
+            let _ = handle.join();
+        }
+    }
 }
 
 const SCHEMA: &str = "
@@ -144,7 +161,7 @@ impl Store {
     pub fn open(dir: &Path) -> Result<Self, StoreError> {
         let connection = open_connection(dir)?;
         let (jobs, receiver) = mpsc::channel::<Job>();
-        std::thread::Builder::new()
+        let handle = std::thread::Builder::new()
             .name("sluice-batch-db".into())
             .spawn(move || {
                 let mut connection = connection;
@@ -153,7 +170,7 @@ impl Store {
                 }
             })
             .map_err(|e| StoreError::Dir(dir.to_path_buf(), e))?;
-        Ok(Self { jobs })
+        Ok(Self { thread: Arc::new(DbThread { jobs: Some(jobs), handle: Some(handle) }) })
     }
 
     /// Runs `f` on the database thread.
@@ -165,7 +182,8 @@ impl Store {
         let job: Job = Box::new(move |connection| {
             let _ = reply.send(f(connection));
         });
-        self.jobs.send(job).map_err(|_| StoreError::Stopped)?;
+        let jobs = self.thread.jobs.as_ref().ok_or(StoreError::Stopped)?;
+        jobs.send(job).map_err(|_| StoreError::Stopped)?;
         result.await.map_err(|_| StoreError::Stopped)?
     }
 
