@@ -284,3 +284,93 @@ def alone_then_together(base_url: str, model: str, prompts: list, max_tokens: in
             return alone, list(together)
 
     return asyncio.run(run())
+
+
+# A Qwen3-style chat template (ChatML; tools listed in the system turn,
+# calls written as <tool_call> JSON; the last assistant turn keeps its
+# thinking; enable_thinking=false writes an empty thinking block into the
+# prompt), as Qwen3's own template renders them.
+QWEN3_TEMPLATE = r"""
+{%- if tools %}
+{{- '<|im_start|>system\n' }}
+{%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
+{{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+{%- for tool in tools %}{{- "\n" }}{{- tool | tojson }}{%- endfor %}
+{{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- elif messages[0].role == 'system' %}
+{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- set ns = namespace(last_query=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+{%- if ns.last_query == messages|length - 1 and message.role == 'user' %}{%- set ns.last_query = messages|length - 1 - loop.index0 %}{%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
+{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+{%- elif message.role == 'assistant' %}
+{{- '<|im_start|>assistant\n' }}
+{%- if loop.index0 > ns.last_query and message.reasoning_content is defined and message.reasoning_content %}
+{{- '<think>\n' + message.reasoning_content.strip('\n') + '\n</think>\n\n' }}
+{%- endif %}
+{{- message.content }}
+{%- if message.tool_calls %}
+{%- for call in message.tool_calls %}
+{%- if (loop.first and message.content) or not loop.first %}{{- '\n' }}{%- endif %}
+{{- '<tool_call>\n{"name": "' + call.function.name + '", "arguments": ' + (call.function.arguments | tojson) + '}\n</tool_call>' }}
+{%- endfor %}
+{%- endif %}
+{{- '<|im_end|>\n' }}
+{%- elif message.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}
+{%- endif %}
+""".strip()
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory, model_dir) -> Path:
+    """A 2-layer random-weight Qwen3 that thinks like Qwen3: SmolLM2's
+    tokenizer (ChatML) with `<think>` and `</think>` added as tokens (not
+    special, as in Qwen3's), and a Qwen3-style template."""
+    from tokenizers import AddedToken, Tokenizer
+    from sluice_server.testing import make_tiny_model
+
+    out = make_tiny_model(
+        tmp_path_factory.mktemp("tiny-qwen3"), "qwen3",
+        vocab_size=49216, intermediate_size=128, max_position_embeddings=2048, bos_token_id=1,
+        use_sliding_window=False,
+    )
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tokenizer.add_tokens([AddedToken("<think>", special=False, normalized=False),
+                          AddedToken("</think>", special=False, normalized=False)])
+    tokenizer.save(str(out / "tokenizer.json"))
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    config.pop("added_tokens_decoder", None)
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    (out / "chat_template.jinja").write_text(QWEN3_TEMPLATE)
+    return out
+
+
+API_KEY = "sluice-test-key"
+
+
+@pytest.fixture(scope="session")
+def qwen3_launcher(tmp_path_factory, tiny_qwen3_dir) -> Launcher:
+    """The tiny Qwen3 (reasoning parser picked from its template), behind an
+    API key: OpenAI's clients send it as a bearer token, Anthropic's as
+    x-api-key."""
+    server = start_launcher(
+        "--model-id", str(tiny_qwen3_dir), "--dtype", "float32", "--max-total-tokens", "2048",
+        "--max-batch-prefill-tokens", "512", "--kv-cache-bytes", str(64 * 1024 * 1024),
+        "--responses-store-capacity", "4", "--responses-store-ttl", "600",
+        env={"SLUICE_API_KEY": API_KEY, "API_KEY": API_KEY}, tmp=tmp_path_factory.mktemp("qwen3"),
+    )
+    yield server
+    server.stop()

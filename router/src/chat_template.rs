@@ -46,7 +46,16 @@ pub struct TemplateMessage {
     pub tool_call_id: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub name: Option<String>,
+    /// An assistant turn's thinking (Qwen3's template shows the last turn's).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub reasoning_content: Option<String>,
 }
+
+/// Extra template variables a request passes (`chat_template_kwargs`).
+pub type TemplateKwargs = serde_json::Map<String, serde_json::Value>;
+
+/// The variables every rendering sets; `chat_template_kwargs` may not name them.
+pub const STANDARD_VARIABLES: [&str; 5] = ["messages", "tools", "add_generation_prompt", "bos_token", "eos_token"];
 
 impl TemplateMessage {
     pub fn text(role: impl Into<String>, content: impl Into<String>) -> Self {
@@ -140,7 +149,7 @@ impl ChatTemplate {
         messages: &[TemplateMessage],
         add_generation_prompt: bool,
     ) -> Result<String, ChatTemplateError> {
-        self.apply_with_tools(messages, None, add_generation_prompt)
+        self.apply_with_tools(messages, None, add_generation_prompt, &TemplateKwargs::new())
     }
 
     /// Whether the template renders a `tools` variable (Qwen2.5's, Llama
@@ -156,11 +165,15 @@ impl ChatTemplate {
         &self.source
     }
 
+    /// `kwargs`: the request's `chat_template_kwargs` (e.g. Qwen3's
+    /// `enable_thinking`), variables beside the standard ones, which they
+    /// cannot replace (validation refuses those names).
     pub fn apply_with_tools(
         &self,
         messages: &[TemplateMessage],
         tools: Option<&[serde_json::Value]>,
         add_generation_prompt: bool,
+        kwargs: &TemplateKwargs,
     ) -> Result<String, ChatTemplateError> {
         let template = self
             .env
@@ -173,6 +186,7 @@ impl ChatTemplate {
                 add_generation_prompt => add_generation_prompt,
                 bos_token => self.bos_token,
                 eos_token => self.eos_token,
+                ..Value::from_serialize(kwargs)
             })
             .map_err(|e| match e.kind() {
                 // raise_exception's message is for the user as is.

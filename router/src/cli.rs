@@ -36,6 +36,8 @@ use crate::scheduler::{self, SchedulerConfig};
 use crate::tokenizer::Tokenizer;
 use crate::validation::{GenerationDefaults, RequestLimits, Validation};
 use crate::tool_calls::{ToolFormat, ToolParserKind};
+use crate::reasoning::{ReasoningFormat, ReasoningParserKind};
+use crate::http::responses::store::ResponseStore;
 
 /// How long to keep retrying the first connection to rank 0 (the launcher
 /// may start the router while the shard is still binding its socket).
@@ -221,6 +223,11 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
     });
     tracing::info!(tool_call_parser = tool_parser.name(), "tool calls");
     let tool_format = ToolFormat::new(tool_parser, &files.tokenizer);
+    let reasoning_parser = config
+        .serving
+        .reasoning_parser
+        .or_else(|| files.chat_template.as_ref().and_then(|t| ReasoningParserKind::from_template(t.source())));
+    tracing::info!(reasoning_parser = reasoning_parser.map_or("none", ReasoningParserKind::name), "reasoning");
     let state = Arc::new(AppState {
         infer: infer.clone(),
         validation: Validation {
@@ -240,6 +247,7 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
             model_names: vec![config.served_model_name().to_string(), config.model_id.clone()],
             grammar,
             tool_format,
+            reasoning: reasoning_parser.map(ReasoningFormat::new),
         },
         info: Info {
             model_id: config.model_id.clone(),
@@ -265,7 +273,12 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
             hourly_cost: config.serving.hourly_cost,
             speculation: speculation.as_ref().map(SpeculationInfo::new),
             batch_min_share: config.serving.batch_min_share,
+            reasoning_parser: reasoning_parser.map(|p| p.name().to_string()),
         },
+        responses: Arc::new(ResponseStore::new(
+            config.serving.responses_store_capacity as usize,
+            Duration::from_secs(config.serving.responses_store_ttl),
+        )),
         metrics,
         draining: Arc::new(AtomicBool::new(false)),
         progress_timeout: Duration::from_secs(config.serving.progress_timeout),

@@ -108,6 +108,20 @@ pub struct ServingFlags {
     /// not say).
     #[arg(long, env = "TOOL_CALL_PARSER", value_enum)]
     pub tool_call_parser: Option<crate::tool_calls::ToolParserKind>,
+    /// How the model thinks, split off the answer into `reasoning_content`
+    /// (and the Responses and Anthropic APIs' reasoning/thinking items):
+    /// qwen3 or deepseek_r1. Default: chosen from the chat template (one that
+    /// writes <think> is a reasoning model's); none otherwise.
+    #[arg(long, env = "SLUICE_REASONING_PARSER", value_enum)]
+    pub reasoning_parser: Option<crate::reasoning::ReasoningParserKind>,
+    /// The most responses /v1/responses keeps for `previous_response_id`
+    /// and GET (the oldest go first).
+    #[arg(long, env = "SLUICE_RESPONSES_STORE_CAPACITY", default_value_t = 1024)]
+    pub responses_store_capacity: u32,
+    /// Seconds a stored response is kept; after that (or after it was
+    /// pushed out) its id is a 404.
+    #[arg(long, env = "SLUICE_RESPONSES_STORE_TTL", default_value_t = 3600, value_parser = clap::value_parser!(u64).range(1..))]
+    pub responses_store_ttl: u64,
     /// Require `Authorization: Bearer KEY` on every API request (not on
     /// /health, /ready and /metrics). Give it in the environment: a command
     /// line is readable by every local user.
@@ -297,6 +311,8 @@ impl ServingFlags {
             ("speculate-max-step-tokens", u64::from(self.speculate_max_step_tokens)),
             ("batch-max-file-bytes", self.batch_max_file_bytes),
             ("batch-max-lines", u64::from(self.batch_max_lines)),
+            ("responses-store-capacity", u64::from(self.responses_store_capacity)),
+            ("responses-store-ttl", self.responses_store_ttl),
         ];
         for (name, value) in numbers {
             flag(name, value.to_string());
@@ -314,6 +330,9 @@ impl ServingFlags {
         }
         if let Some(parser) = self.tool_call_parser {
             flag("tool-call-parser", parser.name().to_string());
+        }
+        if let Some(parser) = self.reasoning_parser {
+            flag("reasoning-parser", parser.name().to_string());
         }
         // f64's Display round-trips: the router parses back the same price.
         if let Some(dollars) = self.hourly_cost {
@@ -514,7 +533,8 @@ mod tests {
             "--max-batch-prefill-tokens", "300", "--max-batch-total-tokens", "4000", "--max-batch-size", "8",
             "--max-concurrent-requests", "9", "--max-stop-sequences", "2", "--max-top-n-tokens", "3", "--max-n", "2",
             "--max-client-batch-size", "7", "--no-prefix-caching", "--no-web-ui", "--served-model-name", "m",
-            "--chat-template", "t.jinja", "--tool-call-parser", "llama3_json", "--api-key", "k",
+            "--chat-template", "t.jinja", "--tool-call-parser", "llama3_json", "--reasoning-parser", "deepseek_r1",
+            "--responses-store-capacity", "5", "--responses-store-ttl", "60", "--api-key", "k",
             "--cors-allow-origin", "http://a,http://b", "--payload-limit", "10", "--max-connections", "5",
             "--header-timeout", "6", "--body-timeout", "7", "--shutdown-timeout", "8", "--step-timeout", "45",
             "--first-steps-timeout", "90", "--progress-timeout", "20", "--json-output",

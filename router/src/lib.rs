@@ -55,6 +55,7 @@ pub mod detokenize;
 pub mod stop;
 pub mod grammar;
 pub mod tool_calls;
+pub mod reasoning;
 
 pub mod cli;
 pub mod config;

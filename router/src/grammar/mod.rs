@@ -40,6 +40,10 @@ pub enum Constraint {
     /// A Lark grammar (llguidance's dialect: `%json`, lazy lexemes, special
     /// tokens as `<[id]>`).
     Lark(String),
+    /// `answer` after a reasoning model's thinking block: `main` is a Lark
+    /// grammar that refers to the answer's grammar as `@answer`
+    /// (`reasoning::ReasoningFormat::after_thinking` writes it).
+    AfterThinking { main: String, answer: Box<Constraint> },
 }
 
 /// Compile options llguidance reads from a schema's `x-guidance` key; a
@@ -86,6 +90,16 @@ impl Constraint {
                     return Err("the grammar is empty".into());
                 }
                 TopLevelGrammar::from_lark(grammar.clone())
+            }
+            Self::AfterThinking { main, answer } => {
+                let mut answer = answer.to_grammar()?;
+                if answer.grammars.len() != 1 {
+                    return Err("the answer's grammar must be a single grammar".into());
+                }
+                answer.grammars[0].name = Some("answer".into());
+                let mut grammar = TopLevelGrammar::from_lark(main.clone());
+                grammar.grammars.extend(answer.grammars);
+                grammar
             }
         })
     }

@@ -1,7 +1,9 @@
 //! The one place where errors become HTTP responses. Each API has its own
 //! error body: OpenAI's `{"error": {"message", "type", "param", "code"}}`
-//! and TGI's `{"error": "...", "error_type": "..."}`; the status codes
-//! follow each API's habits (validation is 400 for OpenAI, 422 for TGI).
+//! (chat, completions, Responses), TGI's `{"error": "...", "error_type":
+//! "..."}` and Anthropic's `{"type": "error", "error": {"type", "message"}}`;
+//! the status codes follow each API's habits (validation is 400 for OpenAI
+//! and Anthropic, 422 for TGI).
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -35,6 +37,10 @@ pub enum ApiError {
     /// The Batch API (`/v1/files`, `/v1/batches`).
     #[error(transparent)]
     Batch(#[from] BatchError),
+    /// A stored object (a response of /v1/responses) that is not there;
+    /// `param`: the request field that named it.
+    #[error("{message}")]
+    NotFound { message: String, param: Option<String> },
 }
 
 /// How long a client told "overloaded" should wait, in seconds.
@@ -77,6 +83,29 @@ impl ApiError {
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
+            Self::NotFound { .. } => StatusCode::NOT_FOUND,
+        }
+    }
+
+    fn anthropic_status(&self) -> StatusCode {
+        match self {
+            Self::Validation(ValidationError::ModelNotFound(_)) => StatusCode::NOT_FOUND,
+            Self::Validation(ValidationError::Tokenizer(_)) => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::Validation(_) | Self::Infer(InferError::Unschedulable(_)) => StatusCode::BAD_REQUEST,
+            other => other.common_status(),
+        }
+    }
+
+    /// Anthropic's error `type` for this error.
+    fn anthropic_kind(&self) -> &'static str {
+        match self.anthropic_status() {
+            StatusCode::UNAUTHORIZED => "authentication_error",
+            StatusCode::NOT_FOUND => "not_found_error",
+            StatusCode::PAYLOAD_TOO_LARGE => "request_too_large",
+            StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
+            StatusCode::SERVICE_UNAVAILABLE => "overloaded_error",
+            status if status.is_server_error() => "api_error",
+            _ => "invalid_request_error",
         }
     }
 
@@ -98,6 +127,7 @@ impl ApiError {
             Self::Batch(BatchError::Conflict(_)) => ("invalid_request_error", Some("conflict")),
             Self::Batch(BatchError::Disabled) => ("service_unavailable", Some("batch_api_disabled")),
             Self::Batch(BatchError::Store(_)) => ("server_error", None),
+            Self::NotFound { .. } => ("invalid_request_error", Some("not_found")),
         }
     }
 
@@ -114,6 +144,7 @@ impl ApiError {
             Self::Unauthorized => "authentication",
             Self::Batch(BatchError::Store(_)) => "generation",
             Self::Batch(_) => "validation",
+            Self::NotFound { .. } => "not_found",
         }
     }
 
@@ -121,6 +152,7 @@ impl ApiError {
         let (kind, code) = self.openai_kind();
         let param = match self {
             Self::Validation(e) => e.param().map(str::to_string),
+            Self::NotFound { param, .. } => param.clone(),
             _ => None,
         };
         OpenAiErrorBody {
@@ -137,6 +169,13 @@ impl ApiError {
         TgiErrorBody {
             error: self.to_string(),
             error_type: self.tgi_error_type().to_string(),
+        }
+    }
+
+    pub fn anthropic_body(&self) -> AnthropicErrorBody {
+        AnthropicErrorBody {
+            kind: "error",
+            error: AnthropicErrorDetail { kind: self.anthropic_kind().to_string(), message: self.to_string() },
         }
     }
 
@@ -172,6 +211,40 @@ pub struct OpenAiErrorDetail {
 pub struct TgiErrorBody {
     pub error: String,
     pub error_type: String,
+}
+
+/// Anthropic's error body: `{"type": "error", "error": {"type", "message"}}`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct AnthropicErrorBody {
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub error: AnthropicErrorDetail,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct AnthropicErrorDetail {
+    /// `invalid_request_error`, `authentication_error`, `not_found_error`,
+    /// `request_too_large`, `rate_limit_error`, `overloaded_error` or `api_error`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub message: String,
+}
+
+/// An [`ApiError`] answered in Anthropic's shape.
+#[derive(Debug)]
+pub struct AnthropicError(pub ApiError);
+
+impl<E: Into<ApiError>> From<E> for AnthropicError {
+    fn from(e: E) -> Self {
+        Self(e.into())
+    }
+}
+
+impl IntoResponse for AnthropicError {
+    fn into_response(self) -> Response {
+        let body = Json(self.0.anthropic_body()).into_response();
+        self.0.finish(self.0.anthropic_status(), body)
+    }
 }
 
 /// An [`ApiError`] answered in OpenAI's shape.
@@ -273,6 +346,22 @@ pub fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiE
             None => e.inner().to_string(),
         };
         ApiError::Validation(ValidationError::Body { field, message })
+    })
+}
+
+/// Parses one part of a body already read as JSON (an item of a list
+/// whose kinds differ); `field` names the part in errors (`input[2].name`).
+pub fn parse_part<T: serde::de::DeserializeOwned>(value: &serde_json::Value, field: &str) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = e.path().to_string();
+        let field = match path.as_str() {
+            "." | "" | "?" => match missing_field(&e.inner().to_string()) {
+                Some(missing) => format!("{field}.{missing}"),
+                None => field.to_string(),
+            },
+            _ => format!("{field}.{path}"),
+        };
+        ApiError::Validation(ValidationError::Body { message: format!("`{field}`: {}", e.inner()), field: Some(field) })
     })
 }
 

@@ -76,6 +76,8 @@ pub enum GenEvent {
     },
     End {
         finish: Finish,
+        /// The stop sequence that ended it (with `Finish::StopSequence`).
+        stop: Option<String>,
         generated_tokens: u32,
         /// Visible text released only at the end (held-back stop-sequence
         /// prefixes, a truncated final character).
@@ -94,8 +96,8 @@ pub struct Generation {
     generated: u32,
     arrived: Instant,
     last_token: Option<Instant>,
-    /// A stop sequence matched; the next call reports the end.
-    stopped: bool,
+    /// A stop sequence matched (this one); the next call reports the end.
+    stopped: Option<String>,
     finished: bool,
     /// The request's `generation` span: gets the usage and outcome
     /// attributes (telemetry.rs).
@@ -111,7 +113,7 @@ impl Generation {
             generated: 0,
             arrived,
             last_token: None,
-            stopped: false,
+            stopped: None,
             finished: false,
             span: tracing::Span::none(),
         }
@@ -139,11 +141,12 @@ impl Generation {
         if self.finished {
             return None;
         }
-        if self.stopped {
+        if let Some(stop) = self.stopped.take() {
             self.finished = true;
             self.record_end(Finish::StopSequence);
             return Some(Ok(GenEvent::End {
                 finish: Finish::StopSequence,
+                stop: Some(stop),
                 generated_tokens: self.generated,
                 trailing: String::new(),
                 compute: Duration::ZERO,
@@ -202,8 +205,8 @@ impl Generation {
                 let text = self.detokenizer.push(token.token_id).map_err(tokenizer_failed)?;
                 let visible = match self.stop.push(&text) {
                     StopOutcome::Continue(visible) => visible,
-                    StopOutcome::Stopped { text, .. } => {
-                        self.stopped = true;
+                    StopOutcome::Stopped { text, stop } => {
+                        self.stopped = Some(stop);
                         self.stream = None;
                         text
                     }
@@ -213,19 +216,20 @@ impl Generation {
             InferEvent::End { reason, compute, .. } => {
                 self.finished = true;
                 let rest = self.detokenizer.finish().map_err(tokenizer_failed)?;
-                let (finish, trailing) = match self.stop.push(&rest) {
-                    StopOutcome::Stopped { text, .. } => (Finish::StopSequence, text),
+                let (finish, stop, trailing) = match self.stop.push(&rest) {
+                    StopOutcome::Stopped { text, stop } => (Finish::StopSequence, Some(stop), text),
                     StopOutcome::Continue(text) => {
                         let finish = match reason {
                             FinishReason::Eos => Finish::Eos,
                             FinishReason::Length => Finish::Length,
                         };
-                        (finish, text + &self.stop.flush())
+                        (finish, None, text + &self.stop.flush())
                     }
                 };
                 self.record_end(finish);
                 Ok(GenEvent::End {
                     finish,
+                    stop,
                     generated_tokens: self.generated,
                     trailing,
                     compute,
@@ -252,12 +256,14 @@ impl Generation {
                 }
                 GenEvent::End {
                     finish,
+                    stop,
                     generated_tokens,
                     trailing,
                     compute,
                 } => {
                     out.text.push_str(&trailing);
                     out.finish = Some(finish);
+                    out.stop = stop;
                     out.generated_tokens = generated_tokens;
                     out.compute = compute;
                 }
@@ -284,6 +290,8 @@ pub struct Collected {
     pub text: String,
     pub tokens: Vec<(GeneratedToken, String)>,
     pub finish: Option<Finish>,
+    /// The stop sequence that ended it.
+    pub stop: Option<String>,
     pub generated_tokens: u32,
     pub cached_tokens: u32,
     pub prompt_logprobs: Vec<TokenLogprob>,
@@ -298,11 +306,13 @@ pub struct Collected {
 /// | `prompt_tokens` | every prompt's tokens, once per prompt, whatever its `n` |
 /// | `cached_tokens` | every prompt's tokens served from the prefix cache, once per prompt (as its first choice found them) |
 /// | `completion_tokens` | the generated tokens of every choice |
+/// | `reasoning_tokens` | of those, the ones spent thinking (filled in by the API's shape, which reads the text) |
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TokenUsage {
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
     pub cached_tokens: u32,
+    pub reasoning_tokens: u32,
 }
 
 /// Every sequence one HTTP request asked for: `n` choices of each prompt, in
@@ -387,7 +397,7 @@ impl Choices {
                             GenEvent::End { generated_tokens, .. } => usage.completion_tokens += generated_tokens,
                             _ => {}
                         }
-                        if let Some(event) = shape.event(index, event) {
+                        for event in shape.event(index, event) {
                             yield event;
                         }
                     }
@@ -466,8 +476,8 @@ pub trait StreamShape: Send + 'static {
         Vec::new()
     }
 
-    /// The event, if any, for one event of choice `index`.
-    fn event(&mut self, index: usize, event: GenEvent) -> Option<Event>;
+    /// The events (often one, or none) for one event of choice `index`.
+    fn event(&mut self, index: usize, event: GenEvent) -> Vec<Event>;
 
     /// After every choice ended.
     fn finish(&mut self, usage: TokenUsage) -> Vec<Event>;
@@ -558,7 +568,11 @@ impl RequestRecord {
 
     pub fn failed(&mut self, error: &ApiError) {
         self.outcome = match error {
-            ApiError::Validation(_) | ApiError::PayloadTooLarge | ApiError::BodyTimeout | ApiError::Unauthorized => "invalid",
+            ApiError::Validation(_)
+            | ApiError::PayloadTooLarge
+            | ApiError::BodyTimeout
+            | ApiError::Unauthorized
+            | ApiError::NotFound { .. } => "invalid",
             ApiError::Infer(InferError::Overloaded(_)) => "overloaded",
             ApiError::Infer(InferError::ShuttingDown) | ApiError::Draining => "unavailable",
             ApiError::Infer(InferError::Unschedulable(_)) => "invalid",

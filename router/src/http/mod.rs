@@ -3,17 +3,24 @@
 //!
 //! - `state`      - what every handler shares (`AppState`, `Info`).
 //! - `openai`     - OpenAI's endpoints (`chat`, `completions`, models) and wire types.
+//! - `responses`  - OpenAI's Responses API (create, stream, store, GET/DELETE/cancel).
+//! - `anthropic`  - Anthropic's Messages API (`/v1/messages`, `count_tokens`).
 //! - `tgi`        - TGI's endpoints and wire types.
-//! - `generation` - the generation driver both APIs hand validated requests
+//! - `generation` - the generation driver every API hands validated requests
 //!   to: submission, `n` choices, collected or streamed results, usage.
+//! - `answer`     - reads a choice's text into reasoning, content and tool
+//!   calls, the same way for every chat-like API.
 //! - `sse`        - server-sent event framing.
 //! - `error`      - every error leaves through here, in each API's shape.
 //! - `serve`      - the connection loop: connection cap, header and body timeouts.
 //! - `webui`      - the web page at `GET /` (chat playground, live dashboard).
 
+pub mod answer;
+pub mod anthropic;
 pub mod error;
 pub mod generation;
 pub mod openai;
+pub mod responses;
 pub mod serve;
 pub mod sse;
 pub mod state;
@@ -40,7 +47,10 @@ use tower_http::cors::{AllowOrigin, CorsLayer};
 use utoipa::{OpenApi, ToSchema};
 
 use crate::infer::SchedulerStats;
-use error::{ApiError, OpenAiError, TgiError};
+use error::{AnthropicError, ApiError, OpenAiError, TgiError};
+
+/// Anthropic's API-key header.
+const X_API_KEY: &str = "x-api-key";
 
 /// Room for a multipart upload's headers and boundaries beyond the file.
 const MULTIPART_SLACK: usize = 64 * 1024;
@@ -59,6 +69,8 @@ pub fn app(state: Arc<AppState>, options: &HttpOptions) -> Router {
         .route("/generate_stream", post(tgi::generate_stream))
         .route("/v1/chat/completions", post(openai::chat::chat_completions))
         .route("/v1/completions", post(openai::completions::completions))
+        .route("/v1/responses", post(responses::create))
+        .route("/v1/messages", post(anthropic::messages))
         .layer(middleware::from_fn_with_state(state.clone(), reject_while_draining))
         // Outermost: one trace per generation request, including refusals.
         .layer(middleware::from_fn(crate::telemetry::trace_http));
@@ -78,6 +90,10 @@ pub fn app(state: Arc<AppState>, options: &HttpOptions) -> Router {
         .merge(generation)
         .merge(batch_api)
         .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        .route("/v1/responses/{id}", get(responses::retrieve).delete(responses::delete))
+        .route("/v1/responses/{id}/cancel", post(responses::cancel))
         .route("/v1/models", get(openai::models))
         .route("/info", get(info))
         .route("/openapi.json", get(openapi))
@@ -99,7 +115,12 @@ pub fn app(state: Arc<AppState>, options: &HttpOptions) -> Router {
         CorsLayer::new()
             .allow_origin(allowed_origins(&options.cors_allow_origin))
             .allow_methods([Method::GET, Method::POST, Method::DELETE])
-            .allow_headers([header::CONTENT_TYPE, header::AUTHORIZATION]),
+            .allow_headers([
+                header::CONTENT_TYPE,
+                header::AUTHORIZATION,
+                header::HeaderName::from_static(X_API_KEY),
+                header::HeaderName::from_static("anthropic-version"),
+            ]),
     )
 }
 
@@ -122,14 +143,14 @@ fn allowed_origins(origins: &[String]) -> AllowOrigin {
     AllowOrigin::list(origins.iter().filter_map(|o| HeaderValue::from_str(o).ok()))
 }
 
+/// The key travels as `Authorization: Bearer KEY` (OpenAI's clients, TGI's)
+/// or `x-api-key: KEY` (Anthropic's); either may carry it.
 async fn require_api_key(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
     if let Some(key) = &state.api_key {
-        let given = request
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(bearer_token);
-        if !given.is_some_and(|given| same_key(given, key)) {
+        let headers = request.headers();
+        let bearer = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(bearer_token);
+        let x_api_key = headers.get(X_API_KEY).and_then(|v| v.to_str().ok());
+        if ![bearer, x_api_key].into_iter().flatten().any(|given| same_key(given, key)) {
             return api_error_for(request.uri().path(), ApiError::Unauthorized);
         }
     }
@@ -160,7 +181,9 @@ async fn reject_while_draining(State(state): State<Arc<AppState>>, request: Requ
 
 /// Errors raised before a handler runs, in the shape of the API asked.
 fn api_error_for(path: &str, error: ApiError) -> Response {
-    if path.starts_with("/v1/") {
+    if path.starts_with("/v1/messages") {
+        AnthropicError(error).into_response()
+    } else if path.starts_with("/v1/") || path == "/detokenize" {
         OpenAiError(error).into_response()
     } else {
         TgiError(error).into_response()
@@ -297,15 +320,62 @@ fn tokenize_body(state: &AppState, body: &[u8]) -> Result<Vec<SimpleToken>, ApiE
         .collect())
 }
 
+/// vLLM's `/detokenize` request.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DetokenizeRequest {
+    pub model: Option<String>,
+    /// Token ids, each below the vocabulary size.
+    pub tokens: Vec<u64>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct DetokenizeResponse {
+    /// The tokens' text (special tokens included, as vLLM decodes them).
+    pub prompt: String,
+}
+
+/// Decodes token ids back into text, in vLLM's shape; an id outside the
+/// vocabulary is a 400 naming it.
+#[utoipa::path(post, path = "/detokenize", request_body = DetokenizeRequest,
+    responses((status = 200, body = DetokenizeResponse), (status = 400, body = error::OpenAiErrorBody)))]
+async fn detokenize(
+    State(state): State<Arc<AppState>>,
+    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
+) -> Result<Json<DetokenizeResponse>, OpenAiError> {
+    let body = error::body_bytes(body)?;
+    Ok(Json(state.off_runtime(move |state| detokenize_body(state, &body)).await?))
+}
+
+fn detokenize_body(state: &AppState, body: &[u8]) -> Result<DetokenizeResponse, ApiError> {
+    let request: DetokenizeRequest = error::parse_json(body)?;
+    let validation = &state.validation;
+    validation.check_model(request.model.as_deref())?;
+    let ids = validation.tokenize(&crate::validation::Prompt::Tokens(request.tokens), "tokens", false);
+    // An empty list decodes to nothing (vLLM answers "" too).
+    let ids = match ids {
+        Err(crate::validation::ValidationError::Empty { .. }) => Vec::new(),
+        other => other?,
+    };
+    let prompt = validation
+        .tokenizer
+        .decode(&ids, false)
+        .map_err(|e| ApiError::Validation(crate::validation::ValidationError::Tokenizer(e.to_string())))?;
+    Ok(DetokenizeResponse { prompt })
+}
+
 #[derive(OpenApi)]
 #[openapi(
-    info(title = "Sluice", description = "LLM inference server: OpenAI-compatible and TGI-native APIs"),
+    info(title = "Sluice", description = "LLM inference server: OpenAI-compatible (chat, completions, Responses), Anthropic Messages and TGI-native APIs"),
     paths(
         health, ready, info, metrics, tokenize, openai::models,
         tgi::generate, tgi::generate_stream, tgi::compat_generate,
         openai::chat::chat_completions, openai::completions::completions,
         openai::files::upload, openai::files::list, openai::files::get, openai::files::delete, openai::files::content,
         openai::batches::create, openai::batches::list, openai::batches::get, openai::batches::cancel,
+        responses::create, responses::retrieve, responses::delete, responses::cancel,
+        anthropic::messages, anthropic::count_tokens,
+        detokenize,
     )
 )]
 pub struct ApiDoc;

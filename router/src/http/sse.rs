@@ -1,7 +1,8 @@
 //! Server-sent events as OpenAI and TGI clients read them: one
-//! `data: <json>\n\n` frame per event, OpenAI's stream ending with
-//! `data: [DONE]\n\n`. No `event:` names and no keep-alive comments, which
-//! some clients choke on.
+//! `data: <json>\n\n` frame per event, OpenAI's chat and completions streams
+//! ending with `data: [DONE]\n\n`. No `event:` names there and no keep-alive
+//! comments, which some clients choke on; the Responses and Anthropic
+//! streams name each event (`event: <type>`), as their clients expect.
 
 use std::convert::Infallible;
 
@@ -15,6 +16,11 @@ pub fn json_event(payload: &impl Serialize) -> Event {
         // Our own types always serialize; say so instead of panicking.
         format!(r#"{{"error":"cannot serialize event: {e}"}}"#)
     }))
+}
+
+/// `event: NAME` and the JSON data.
+pub fn named_event(name: &str, payload: &impl Serialize) -> Event {
+    json_event(payload).event(name)
 }
 
 pub fn done_event() -> Event {

@@ -43,6 +43,9 @@ pub struct Info {
     /// The share of slots and step budget Batch API lines may always use
     /// (`--batch-min-share`).
     pub batch_min_share: f64,
+    /// How the model's thinking is split off (`--reasoning-parser`); null
+    /// when it is not a reasoning model.
+    pub reasoning_parser: Option<String>,
 }
 
 /// `/info`'s view of `--speculate` and its settings.
@@ -87,6 +90,8 @@ pub struct AppState {
     pub cpu_work: Arc<Semaphore>,
     /// The Batch API's store (`--data-dir`); None: the routes answer 503.
     pub batches: Option<Arc<Batches>>,
+    /// /v1/responses' stored responses (`previous_response_id`, GET).
+    pub responses: Arc<crate::http::responses::store::ResponseStore>,
 }
 
 impl AppState {

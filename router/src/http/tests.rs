@@ -113,6 +113,7 @@ fn build_with_shard(setup: Setup) -> (Router, Arc<AppState>, FakeShardHandle) {
             hourly_cost: setup.hourly_cost,
             speculation: None,
             batch_min_share: 0.1,
+            reasoning_parser: None,
         },
         metrics: crate::metrics::install(),
         draining: Arc::new(AtomicBool::new(false)),
@@ -121,6 +122,7 @@ fn build_with_shard(setup: Setup) -> (Router, Arc<AppState>, FakeShardHandle) {
         started: Instant::now(),
         cpu_work: AppState::cpu_workers(),
         batches: None,
+        responses: Arc::new(crate::http::responses::store::ResponseStore::new(8, Duration::from_secs(60))),
     });
     let options =
         HttpOptions { payload_limit: setup.payload_limit, cors_allow_origin: setup.cors_allow_origin, web_ui: setup.web_ui };

@@ -289,9 +289,9 @@ impl TgiShape {
 }
 
 impl StreamShape for TgiShape {
-    fn event(&mut self, _index: usize, event: GenEvent) -> Option<Event> {
+    fn event(&mut self, _index: usize, event: GenEvent) -> Vec<Event> {
         match event {
-            GenEvent::Prefill { .. } => None,
+            GenEvent::Prefill { .. } => vec![],
             GenEvent::Token { token, visible, .. } => {
                 self.text.push_str(&visible);
                 let next = StreamResponse {
@@ -301,11 +301,11 @@ impl StreamShape for TgiShape {
                     generated_text: None,
                     details: None,
                 };
-                self.held.replace(next).map(|previous| json_event(&previous))
+                self.held.replace(next).map(|previous| json_event(&previous)).into_iter().collect()
             }
             GenEvent::End { finish, generated_tokens, trailing, .. } => {
                 self.text.push_str(&trailing);
-                let mut last = self.held.take()?;
+                let Some(mut last) = self.held.take() else { return vec![] };
                 last.token.text.push_str(&trailing);
                 last.generated_text = Some(std::mem::take(&mut self.text));
                 last.details = Some(StreamDetails {
@@ -314,7 +314,7 @@ impl StreamShape for TgiShape {
                     seed: self.seed,
                     input_length: self.input_ids.len() as u32,
                 });
-                Some(json_event(&last))
+                vec![json_event(&last)]
             }
         }
     }

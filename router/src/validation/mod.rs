@@ -14,6 +14,7 @@
 //! | `prompt.rs`      | the prompt: tokenization, token ids, chat templates (with tools shown to the model) |
 //! | `sampling.rs`    | sampling parameters and their ranges: the one set of ranges (the shard trusts them) |
 //! | `constraints.rs` | output constraints (compiled with llguidance) and tools |
+//! | `chat.rs`        | chat requests of every API: template variables, the constraint after a reasoning model's thinking |
 //!
 //! Order of the checks, so that a request with several faults always gets
 //! the same answer: the model name (the handler asks first), the tools
@@ -29,6 +30,7 @@
 //! [`Constraint`]: crate::grammar::Constraint
 //! [`infer::ValidRequest`]: crate::infer::ValidRequest
 
+mod chat;
 mod constraints;
 mod prompt;
 mod request;
@@ -45,6 +47,7 @@ use crate::infer::{RequestClass, ValidRequest};
 use crate::tokenizer::Tokenizer;
 use crate::tool_calls::ToolFormat;
 
+pub use chat::{ChatInput, ValidChat};
 pub use constraints::{one_constraint, ToolRequest, ValidTools};
 pub use prompt::Prompt;
 pub use request::{GenerateParameters, RequestLimits, MAX_STOP_BYTES};
@@ -133,6 +136,8 @@ pub struct Validation {
     pub grammar: Option<Arc<GrammarCompiler>>,
     /// How this model writes tool calls (`--tool-call-parser`).
     pub tool_format: ToolFormat,
+    /// How this model thinks (`--reasoning-parser`); `None`: it does not.
+    pub reasoning: Option<crate::reasoning::ReasoningFormat>,
 }
 
 impl Validation {

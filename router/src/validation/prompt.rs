@@ -3,7 +3,7 @@
 //! (with the request's tools shown to the model).
 
 use super::{Validation, ValidationError};
-use crate::chat_template::{ChatTemplateError, TemplateMessage};
+use crate::chat_template::{ChatTemplateError, TemplateKwargs, TemplateMessage};
 use crate::tool_calls::FunctionDefinition;
 
 /// A prompt before tokenization.
@@ -24,7 +24,7 @@ impl Validation {
                 field: "messages".into(),
             });
         }
-        self.render_chat_with_tools(messages, None)
+        self.render_chat_with_tools(messages, None, &TemplateKwargs::new())
     }
 
     /// The chat prompt with `tools` shown to the model (None: no tools,
@@ -37,6 +37,7 @@ impl Validation {
         &self,
         messages: &[TemplateMessage],
         tools: Option<&[FunctionDefinition]>,
+        kwargs: &TemplateKwargs,
     ) -> Result<String, ValidationError> {
         if messages.is_empty() {
             return Err(ValidationError::Empty {
@@ -47,11 +48,11 @@ impl Validation {
         let rendered = if template.supports_tools() {
             let listing: Option<Vec<serde_json::Value>> =
                 tools.map(|t| t.iter().map(|f| serde_json::json!({"type": "function", "function": f})).collect());
-            template.apply_with_tools(messages, listing.as_deref(), true)
+            template.apply_with_tools(messages, listing.as_deref(), true, kwargs)
         } else if tools.is_some() || messages.iter().any(|m| m.tool_calls.is_some()) {
-            template.apply(&self.tools_in_text(messages, tools), true)
+            template.apply_with_tools(&self.tools_in_text(messages, tools), None, true, kwargs)
         } else {
-            template.apply(messages, true)
+            template.apply_with_tools(messages, None, true, kwargs)
         };
         rendered.map_err(|e| match e {
             ChatTemplateError::Render(message) => ValidationError::ChatTemplate(message),

@@ -31,6 +31,7 @@ pub(crate) fn validation() -> Validation {
         model_names: vec!["tiny".into(), "org/tiny".into()],
         grammar: Some(Arc::new(GrammarCompiler::new(&byte_fallback_tokenizer(), 267, &[2]).unwrap())),
         tool_format: ToolFormat::new(crate::tool_calls::ToolParserKind::Hermes, &byte_fallback_tokenizer()),
+        reasoning: None,
     }
 }
 
@@ -279,13 +280,13 @@ fn tools_go_into_the_system_message_of_a_template_without_them() {
         TemplateMessage { tool_calls: Some(vec![call]), ..TemplateMessage::text("assistant", "") },
         TemplateMessage { tool_call_id: Some("c1".into()), ..TemplateMessage::text("tool", "noon") },
     ];
-    let rendered = v.render_chat_with_tools(&messages, Some(&tools)).unwrap();
+    let rendered = v.render_chat_with_tools(&messages, Some(&tools), &Default::default()).unwrap();
     let lines: Vec<&str> = rendered.lines().collect();
     assert!(lines[0].starts_with("system: You can call these functions"), "{rendered}");
     assert!(rendered.contains("{\"type\":\"function\",\"function\":{\"name\":\"now\"}}"), "{rendered}");
     assert!(rendered.contains("assistant: <tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>\ntool: noon"), "{rendered}");
     // Without tools (tool_choice none) the history still renders its calls.
-    let rendered = v.render_chat_with_tools(&messages, None).unwrap();
+    let rendered = v.render_chat_with_tools(&messages, None, &Default::default()).unwrap();
     assert!(rendered.starts_with("user: time?\nassistant: <tool_call>"), "{rendered}");
 }
 

@@ -2,12 +2,16 @@
 //! the generation driver -> a `chat.completion` or a stream of
 //! `chat.completion.chunk`s.
 //!
-//! With `tools` (and a `tool_choice` other than `none`) the tools go into the
-//! prompt, the output follows the tool-call grammar, and a
-//! [`ToolCallParser`] per choice turns the text back into `tool_calls`: whole
-//! in a completion, as OpenAI streams them in chunks (a call's id, type and
-//! name first, then its argument fragments). `finish_reason` is then
-//! `tool_calls` when the model called something and stopped by itself.
+//! Each choice's text is read by an [`AnswerParser`] (`http::answer`): a
+//! reasoning model's thinking goes to `reasoning_content` (streamed as
+//! `delta.reasoning_content`; `include_reasoning: false` drops it), and with
+//! `tools` (and a `tool_choice` other than `none`) the tools go into the
+//! prompt, the output follows the tool-call grammar, and the calls are read
+//! back into `tool_calls`: whole in a completion, as OpenAI streams them in
+//! chunks (a call's id, type and name first, then its argument fragments).
+//! `finish_reason` is then `tool_calls` when the model called something and
+//! stopped by itself. `chat_template_kwargs` (e.g. `{"enable_thinking":
+//! false}`) are variables for the chat template.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,8 +26,8 @@ use axum::Json;
 use super::structured::{openai_constraint, tool_request};
 use super::types::{
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
-    ChatDelta, ChatLogprob, ChatLogprobContent, ChatLogprobs, ChatMessage, FunctionCall, FunctionCallDelta,
-    MessageContent, ToolCallDelta, ToolCallMessage, Usage,
+    ChatDelta, ChatLogprob, ChatLogprobContent, ChatLogprobs, ChatMessage, CompletionTokensDetails, FunctionCall,
+    FunctionCallDelta, MessageContent, ToolCallDelta, ToolCallMessage, Usage,
 };
 use super::{fingerprint, parameters, ResponseId};
 use crate::chat_template::TemplateMessage;
@@ -34,9 +38,9 @@ use crate::http::generation::{
 use crate::http::sse::{done_event, json_event};
 use crate::http::state::AppState;
 use crate::infer::{GeneratedToken, RequestClass};
+use crate::http::answer::{Answer, AnswerFormat, AnswerParser, Piece};
 use crate::tokenizer::Tokenizer;
-use crate::tool_calls::stream::{ToolCallParser, ToolEvent};
-use crate::validation::{one_constraint, Prompt, ValidTools, ValidationError};
+use crate::validation::{ChatInput, ValidTools, ValidationError};
 
 #[utoipa::path(post, path = "/v1/chat/completions", request_body = ChatCompletionRequest,
     responses(
@@ -77,13 +81,7 @@ fn prepare(state: &AppState, body: &[u8]) -> Result<Prepared<ChatShape>, ApiErro
         .enumerate()
         .map(|(i, m)| template_message(m, i))
         .collect::<Result<Vec<_>, ApiError>>()?;
-    let shown = tools.as_ref().and_then(ValidTools::shown);
-    let prompt = Prompt::Chat(state.validation.render_chat_with_tools(&messages, shown)?);
     let mut params = parameters(state, &request.sampling, request.max_completion_tokens.or(request.max_tokens));
-    params.constraint = one_constraint(
-        openai_constraint(request.response_format.as_ref(), &request.guided)?,
-        tools.as_ref().and_then(|t| t.constraint.clone()),
-    )?;
     if request.max_completion_tokens.is_some() {
         params.max_new_tokens_field = "max_completion_tokens";
     }
@@ -91,16 +89,29 @@ fn prepare(state: &AppState, body: &[u8]) -> Result<Prepared<ChatShape>, ApiErro
     params.top_n_tokens = request.top_logprobs.unwrap_or(0);
     params.top_n_tokens_field = "top_logprobs";
     params.top_n_tokens_needs_logprobs = true;
-    let validated = state.validation.validate_prompts(&[prompt], "messages", &params)?;
-    let tool_format = shown.map(|_| state.validation.tool_format.clone());
+    let kwargs = request.chat_template_kwargs.clone().unwrap_or_default();
+    let input = ChatInput {
+        messages: &messages,
+        tools: tools.as_ref(),
+        kwargs: &kwargs,
+        format: openai_constraint(request.response_format.as_ref(), &request.guided)?,
+    };
+    let chat = state.validation.validate_chat(input, params)?;
+    let n = chat.prompt.n;
+    let answers = AnswerFormat {
+        reasoning: chat.reasoning,
+        show_reasoning: request.include_reasoning.unwrap_or(true),
+        tools: tools.as_ref().and_then(ValidTools::shown).map(|_| state.validation.tool_format.clone()),
+    };
     let shape = ChatShape {
         id: ResponseId::new(state, "chatcmpl"),
         tokenizer: state.validation.tokenizer.clone(),
-        logprobs: params.logprobs.then_some(params.top_n_tokens),
+        logprobs: request.logprobs.unwrap_or(false).then_some(request.top_logprobs.unwrap_or(0)),
         include_usage: request.sampling.stream_options.is_some_and(|o| o.include_usage),
-        parsers: tool_format.map(|f| (0..params.n).map(|_| ToolCallParser::new(f.clone())).collect()),
+        parsers: (0..n).map(|_| answers.parser()).collect(),
+        answers,
     };
-    Ok(Prepared { prompts: validated, shape, stream: request.sampling.stream.unwrap_or(false) })
+    Ok(Prepared { prompts: vec![chat.prompt], shape, stream: request.sampling.stream.unwrap_or(false) })
 }
 
 /// A message as the chat template sees it: content flattened, earlier tool
@@ -134,6 +145,7 @@ fn template_message(m: &ChatMessage, index: usize) -> Result<TemplateMessage, Ap
         tool_calls,
         tool_call_id: m.tool_call_id.clone(),
         name: m.name.clone(),
+        reasoning_content: m.reasoning_content.clone(),
     })
 }
 
@@ -168,14 +180,10 @@ struct ChatShape {
     /// `Some(top_logprobs)` when `logprobs: true`.
     logprobs: Option<u32>,
     include_usage: bool,
-    /// With tools: each choice's tool-call parser.
-    parsers: Option<Vec<ToolCallParser>>,
-}
-
-/// One choice's answer with its tool calls read out.
-struct Answer {
-    content: String,
-    calls: Vec<ToolCallMessage>,
+    /// How every choice is read (reasoning, tool calls).
+    answers: AnswerFormat,
+    /// Each choice's parser, as it streams.
+    parsers: Vec<AnswerParser>,
 }
 
 /// OpenAI's `finish_reason`: `tool_calls` when the model called something
@@ -187,20 +195,20 @@ fn finish_reason(finish: Finish, called: bool) -> String {
     }
 }
 
-/// Tool-call events as chunk deltas: content, and call pieces.
-fn deltas(events: Vec<ToolEvent>) -> (String, Vec<ToolCallDelta>) {
-    let mut content = String::new();
-    let mut calls = Vec::new();
-    for event in events {
-        match event {
-            ToolEvent::Content(text) => content.push_str(&text),
-            ToolEvent::Start { index, id, name } => calls.push(ToolCallDelta {
+/// Pieces as one chunk delta's fields: reasoning, content, call pieces.
+fn deltas(pieces: Vec<Piece>) -> (String, String, Vec<ToolCallDelta>) {
+    let (mut reasoning, mut content, mut calls) = (String::new(), String::new(), Vec::new());
+    for piece in pieces {
+        match piece {
+            Piece::Reasoning(text) => reasoning.push_str(&text),
+            Piece::Content(text) => content.push_str(&text),
+            Piece::CallStart { index, id, name } => calls.push(ToolCallDelta {
                 index: index as u32,
                 id: Some(id),
                 kind: Some("function".into()),
                 function: FunctionCallDelta { name: Some(name), arguments: String::new() },
             }),
-            ToolEvent::Arguments { index, fragment } => calls.push(ToolCallDelta {
+            Piece::CallArguments { index, fragment } => calls.push(ToolCallDelta {
                 index: index as u32,
                 id: None,
                 kind: None,
@@ -208,17 +216,28 @@ fn deltas(events: Vec<ToolEvent>) -> (String, Vec<ToolCallDelta>) {
             }),
         }
     }
-    (content, calls)
+    (reasoning, content, calls)
 }
 
 impl ChatShape {
-    fn completion(&mut self, results: Vec<Collected>, usage: TokenUsage) -> ChatCompletion {
+    fn completion(&mut self, results: Vec<Collected>, mut usage: TokenUsage) -> ChatCompletion {
+        let answers: Vec<Answer> = results.iter().map(|r| self.answers.parser().read(r)).collect();
+        usage.reasoning_tokens = answers.iter().map(|a| a.reasoning_tokens).sum();
         let choices = results
             .into_iter()
+            .zip(answers)
             .enumerate()
-            .map(|(i, r)| {
-                let answer = self.answer(i, &r);
+            .map(|(i, (r, answer))| {
                 let called = !answer.calls.is_empty();
+                let calls = answer
+                    .calls
+                    .into_iter()
+                    .map(|c| ToolCallMessage {
+                        id: c.id,
+                        kind: "function".into(),
+                        function: FunctionCall { name: c.name, arguments: c.arguments },
+                    })
+                    .collect();
                 ChatChoice {
                     index: i as u32,
                     logprobs: self.logprobs.map(|top| ChatLogprobs {
@@ -228,7 +247,8 @@ impl ChatShape {
                     message: AssistantMessage {
                         role: "assistant".into(),
                         content: (!called || !answer.content.is_empty()).then_some(answer.content),
-                        tool_calls: called.then_some(answer.calls),
+                        reasoning_content: answer.reasoning,
+                        tool_calls: called.then_some(calls),
                     },
                 }
             })
@@ -240,39 +260,17 @@ impl ChatShape {
             model: self.id.model.clone(),
             system_fingerprint: fingerprint(),
             choices,
-            usage: usage.into(),
+            usage: self.usage(usage),
         }
     }
 
-    /// Choice `index`'s text, with its tool calls read out when there are
-    /// tools. The parser reads the visible text (stop sequences cut) token
-    /// by token, so special-token openers are seen.
-    fn answer(&mut self, index: usize, r: &Collected) -> Answer {
-        let Some(parser) = self.parsers.as_mut().map(|p| &mut p[index]) else {
-            return Answer { content: r.text.clone(), calls: Vec::new() };
-        };
-        let mut events = Vec::new();
-        // The visible text is a prefix of the tokens' texts (a stop sequence
-        // cuts it), then whatever the detokenizer released at the end.
-        let mut visible = r.text.as_str();
-        for (token, text) in &r.tokens {
-            let take = text.len().min(visible.len());
-            events.extend(parser.push(token.token_id, &visible[..take]));
-            visible = &visible[take..];
+    /// OpenAI's usage, with reasoning tokens when the model may think.
+    fn usage(&self, usage: TokenUsage) -> Usage {
+        let mut out = Usage::from(usage);
+        if self.answers.reasoning.is_some() {
+            out.completion_tokens_details = Some(CompletionTokensDetails { reasoning_tokens: usage.reasoning_tokens });
         }
-        events.extend(parser.push(u32::MAX, visible));
-        events.extend(parser.finish());
-        let (content, _) = deltas(events);
-        let calls = parser
-            .calls()
-            .iter()
-            .map(|c| ToolCallMessage {
-                id: c.id.clone(),
-                kind: "function".into(),
-                function: FunctionCall { name: c.name.clone(), arguments: c.arguments.clone() },
-            })
-            .collect();
-        Answer { content, calls }
+        out
     }
 
     fn chunk(&self, choices: Vec<ChatChunkChoice>, usage: Option<Usage>) -> Event {
@@ -287,63 +285,47 @@ impl ChatShape {
         })
     }
 
-    fn delta(
-        &self,
-        index: usize,
-        content: String,
-        tool_calls: Vec<ToolCallDelta>,
-        logprobs: Option<ChatLogprobs>,
-        finish: Option<String>,
-    ) -> Event {
-        let tool_calls = (!tool_calls.is_empty()).then_some(tool_calls);
+    fn delta(&self, index: usize, pieces: Vec<Piece>, logprobs: Option<ChatLogprobs>, finish: Option<String>) -> Event {
+        let (reasoning, content, tool_calls) = deltas(pieces);
         let choice = ChatChunkChoice {
             index: index as u32,
-            delta: ChatDelta { role: "assistant".into(), content, tool_calls },
+            delta: ChatDelta {
+                role: "assistant".into(),
+                content,
+                reasoning_content: (!reasoning.is_empty()).then_some(reasoning),
+                tool_calls: (!tool_calls.is_empty()).then_some(tool_calls),
+            },
             logprobs,
             finish_reason: finish,
         };
         self.chunk(vec![choice], None)
     }
-
-    /// Streamed text of choice `index` through its tool-call parser (when
-    /// there are tools): content and call pieces.
-    fn read(&mut self, index: usize, token_id: u32, text: &str, end: bool) -> (String, Vec<ToolCallDelta>, bool) {
-        let Some(parser) = self.parsers.as_mut().map(|p| &mut p[index]) else {
-            return (text.to_string(), Vec::new(), false);
-        };
-        let mut events = parser.push(token_id, text);
-        if end {
-            events.extend(parser.finish());
-        }
-        let called = !parser.calls().is_empty();
-        let (content, calls) = deltas(events);
-        (content, calls, called)
-    }
 }
 
 impl StreamShape for ChatShape {
-    fn event(&mut self, index: usize, event: GenEvent) -> Option<Event> {
+    fn event(&mut self, index: usize, event: GenEvent) -> Vec<Event> {
         match event {
-            GenEvent::Prefill { .. } => None,
+            GenEvent::Prefill { .. } => vec![],
             GenEvent::Token { token, visible, .. } => {
                 let logprobs = self
                     .logprobs
                     .map(|top| ChatLogprobs { content: vec![chat_logprobs(&self.tokenizer, &token, top)] });
-                let (content, calls, _) = self.read(index, token.token_id, &visible, false);
-                (!content.is_empty() || !calls.is_empty() || logprobs.is_some())
-                    .then(|| self.delta(index, content, calls, logprobs, None))
+                let pieces = self.parsers[index].push(token.token_id, &visible);
+                (!pieces.is_empty() || logprobs.is_some()).then(|| self.delta(index, pieces, logprobs, None)).into_iter().collect()
             }
             GenEvent::End { finish, trailing, .. } => {
-                let (content, calls, called) = self.read(index, u32::MAX, &trailing, true);
-                Some(self.delta(index, content, calls, None, Some(finish_reason(finish, called))))
+                let pieces = self.parsers[index].end(&trailing);
+                let called = !self.parsers[index].calls().is_empty();
+                vec![self.delta(index, pieces, None, Some(finish_reason(finish, called)))]
             }
         }
     }
 
-    fn finish(&mut self, usage: TokenUsage) -> Vec<Event> {
+    fn finish(&mut self, mut usage: TokenUsage) -> Vec<Event> {
         let mut events = Vec::with_capacity(2);
         if self.include_usage {
-            events.push(self.chunk(vec![], Some(usage.into())));
+            usage.reasoning_tokens = self.parsers.iter().map(AnswerParser::reasoning_tokens).sum();
+            events.push(self.chunk(vec![], Some(self.usage(usage))));
         }
         events.push(done_event());
         events

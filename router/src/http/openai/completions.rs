@@ -171,9 +171,9 @@ impl StreamShape for CompletionShape {
             .collect()
     }
 
-    fn event(&mut self, index: usize, event: GenEvent) -> Option<Event> {
+    fn event(&mut self, index: usize, event: GenEvent) -> Vec<Event> {
         match event {
-            GenEvent::Prefill { .. } => None,
+            GenEvent::Prefill { .. } => vec![],
             GenEvent::Token { token, text, visible } => {
                 let offset = self.offsets[index];
                 self.offsets[index] += text.len();
@@ -182,9 +182,9 @@ impl StreamShape for CompletionShape {
                     lp.push(&self.tokenizer, &token, top, offset);
                     lp
                 });
-                (!visible.is_empty() || logprobs.is_some()).then(|| self.chunk(index, visible, logprobs, None))
+                (!visible.is_empty() || logprobs.is_some()).then(|| self.chunk(index, visible, logprobs, None)).into_iter().collect()
             }
-            GenEvent::End { finish, trailing, .. } => Some(self.chunk(index, trailing, None, Some(finish))),
+            GenEvent::End { finish, trailing, .. } => vec![self.chunk(index, trailing, None, Some(finish))],
         }
     }
 

@@ -42,7 +42,7 @@ use types::{PromptTokensDetails, SamplingFields, StopSpec, Usage};
 
 /// Maps the sampling fields both endpoints share into API-neutral
 /// parameters; `max_new_tokens` is the endpoint's own field (with its default).
-fn parameters(state: &AppState, s: &SamplingFields, max_new_tokens: Option<u64>) -> GenerateParameters {
+pub(crate) fn parameters(state: &AppState, s: &SamplingFields, max_new_tokens: Option<u64>) -> GenerateParameters {
     let defaults = &state.validation.defaults;
     let mut logit_bias: Vec<(String, String, f32)> = s
         .logit_bias
@@ -104,6 +104,7 @@ impl From<TokenUsage> for Usage {
             completion_tokens: usage.completion_tokens,
             total_tokens: usage.prompt_tokens + usage.completion_tokens,
             prompt_tokens_details: PromptTokensDetails { cached_tokens: usage.cached_tokens },
+            completion_tokens_details: None,
         }
     }
 }

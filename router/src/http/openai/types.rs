@@ -88,6 +88,8 @@ pub struct ChatMessage {
     pub tool_calls: Option<Vec<ToolCallMessage>>,
     /// A `tool` message: the call it answers.
     pub tool_call_id: Option<String>,
+    /// An assistant turn's thinking, as this API returned it.
+    pub reasoning_content: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize, ToSchema)]
@@ -106,6 +108,13 @@ pub struct ChatCompletionRequest {
     pub tool_choice: Option<ToolChoiceSpec>,
     /// Default true: the model may make several calls in one answer.
     pub parallel_tool_calls: Option<bool>,
+    /// Variables for the chat template (e.g. `{"enable_thinking": false}`
+    /// for Qwen3): any JSON values, under names the server does not set.
+    #[schema(value_type = Option<Object>)]
+    pub chat_template_kwargs: Option<crate::chat_template::TemplateKwargs>,
+    /// Default true: a reasoning model's thinking is returned in
+    /// `reasoning_content`; false drops it.
+    pub include_reasoning: Option<bool>,
     #[serde(flatten)]
     pub sampling: SamplingFields,
     #[serde(flatten)]
@@ -149,11 +158,20 @@ pub struct PromptTokensDetails {
 }
 
 #[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct CompletionTokensDetails {
+    /// Generated tokens spent thinking (the thinking block's tags included).
+    pub reasoning_tokens: u32,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct Usage {
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
     pub total_tokens: u32,
     pub prompt_tokens_details: PromptTokensDetails,
+    /// With a reasoning model (chat).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub completion_tokens_details: Option<CompletionTokensDetails>,
 }
 
 #[derive(Debug, Clone, Serialize, ToSchema)]
@@ -181,6 +199,10 @@ pub struct AssistantMessage {
     pub role: String,
     /// Null when the answer is only tool calls.
     pub content: Option<String>,
+    /// A reasoning model's thinking (absent when it did not think, or with
+    /// `include_reasoning: false`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tool_calls: Option<Vec<ToolCallMessage>>,
 }
@@ -208,6 +230,9 @@ pub struct ChatCompletion {
 pub struct ChatDelta {
     pub role: String,
     pub content: String,
+    /// More of a reasoning model's thinking.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
     /// Pieces of tool calls; null otherwise (TGI's client requires the key).
     pub tool_calls: Option<Vec<ToolCallDelta>>,
 }

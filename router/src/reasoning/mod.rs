@@ -1,0 +1,130 @@
+//! Reasoning ("thinking") models: the thinking is split off the answer.
+//!
+//! Qwen3 and DeepSeek-R1 think in a tagged block before they answer; the
+//! block goes to `reasoning_content` (OpenAI chat), a reasoning item
+//! (Responses) or a thinking block (Anthropic), the rest is the answer that
+//! tool calls and structured output are read from. A [`ReasoningFormat`]
+//! (`--reasoning-parser`, default from the chat template) knows the tags:
+//!
+//! ```text
+//!   qwen3        <think>\n...\n</think>\n\nanswer    the model opens the block itself;
+//!                                                    enable_thinking=false: the template
+//!                                                    writes an empty block into the prompt
+//!   deepseek_r1  ...\n</think>\n\nanswer             the template opens the block in the
+//!                                                    prompt: the output starts inside it
+//! ```
+//!
+//! Where the output starts is read from the rendered prompt
+//! ([`ReasoningFormat::start`]): a prompt that ends in an open block starts
+//! inside it, one that ends right after a closed block has no thinking, any
+//! other starts as the family does. [`stream::ReasoningParser`] splits the
+//! text as it streams; [`ReasoningFormat::after_thinking`] wraps an output
+//! constraint so that it applies after the block (the block itself is free
+//! text).
+
+pub mod stream;
+
+use crate::grammar::{lark_literal, Constraint};
+
+/// The model families' ways of thinking (`--reasoning-parser`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[value(rename_all = "snake_case")]
+pub enum ReasoningParserKind {
+    Qwen3,
+    #[value(name = "deepseek_r1")]
+    DeepseekR1,
+}
+
+impl ReasoningParserKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Qwen3 => "qwen3",
+            Self::DeepseekR1 => "deepseek_r1",
+        }
+    }
+
+    /// The family a chat template thinks like, when it says: a template that
+    /// writes `<think>` is a reasoning model's; DeepSeek's role markers tell
+    /// R1 from Qwen3. `None`: not a reasoning model (or not obviously one).
+    pub fn from_template(source: &str) -> Option<Self> {
+        if !source.contains(OPEN) {
+            return None;
+        }
+        if source.contains("<｜Assistant｜>") {
+            Some(Self::DeepseekR1)
+        } else {
+            Some(Self::Qwen3)
+        }
+    }
+}
+
+const OPEN: &str = "<think>";
+const CLOSE: &str = "</think>";
+
+/// Where one request's output starts, relative to the thinking block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ThinkStart {
+    /// The output may open a block (Qwen3 with thinking on).
+    MayOpen,
+    /// The prompt opened the block: the output starts inside it, perhaps
+    /// repeating the opening tag (DeepSeek-R1).
+    Inside,
+    /// The prompt holds a closed block right at its end (Qwen3 with
+    /// `enable_thinking: false`): the output is all answer.
+    Closed,
+}
+
+/// One family's thinking tags.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReasoningFormat {
+    pub kind: ReasoningParserKind,
+    pub(crate) open: &'static str,
+    pub(crate) close: &'static str,
+}
+
+impl ReasoningFormat {
+    pub fn new(kind: ReasoningParserKind) -> Self {
+        // Both families use the same tags; they differ in who opens them.
+        Self { kind, open: OPEN, close: CLOSE }
+    }
+
+    /// Where the output of `prompt` (as the chat template rendered it)
+    /// starts: only the prompt's end matters (earlier turns' blocks do not).
+    pub fn start(&self, prompt: &str) -> ThinkStart {
+        let tail = prompt.trim_end();
+        if tail.ends_with(self.open) {
+            return ThinkStart::Inside;
+        }
+        if tail.ends_with(self.close) {
+            return ThinkStart::Closed;
+        }
+        match self.kind {
+            ReasoningParserKind::Qwen3 => ThinkStart::MayOpen,
+            ReasoningParserKind::DeepseekR1 => ThinkStart::Inside,
+        }
+    }
+
+    /// `answer` applied after the thinking block, which is free text:
+    ///
+    /// ```text
+    ///   MayOpen   start: (think GAP?)? @answer     think[lazy]: "<think>" TEXT "</think>"
+    ///   Inside    start: think GAP? @answer        think[lazy]: "<think>"? TEXT "</think>"
+    ///   Closed    the answer's grammar alone
+    /// ```
+    /// GAP is the whitespace models write after the block; `@answer` is the
+    /// answer's own grammar (its lexer apart from the block's).
+    pub fn after_thinking(&self, answer: Constraint, start: ThinkStart) -> Constraint {
+        let (think, optional) = match start {
+            ThinkStart::Closed => return answer,
+            ThinkStart::MayOpen => (format!("{} TEXT {}", lark_literal(self.open), lark_literal(self.close)), "?"),
+            ThinkStart::Inside => (format!("{}? TEXT {}", lark_literal(self.open), lark_literal(self.close)), ""),
+        };
+        let main = format!(
+            "start: (think GAP?){optional} @answer\nthink[lazy]: {think}\nTEXT: /(?s:.*)/\nGAP: /[ \\t\\r\\n]+/\n"
+        );
+        Constraint::AfterThinking { main, answer: Box::new(answer) }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,63 @@
+//! Chat requests of every API (OpenAI chat, Responses, Anthropic Messages):
+//! messages rendered with the request's template variables, the output's
+//! one constraint (a response format or the tools' grammar) applied after a
+//! reasoning model's thinking, then the usual checks.
+
+use super::{one_constraint, GenerateParameters, Prompt, Validated, Validation, ValidationError, ValidTools};
+use crate::chat_template::{TemplateKwargs, TemplateMessage, STANDARD_VARIABLES};
+use crate::grammar::Constraint;
+use crate::reasoning::{ReasoningFormat, ThinkStart};
+
+/// A chat request as its handler read it.
+pub struct ChatInput<'a> {
+    pub messages: &'a [TemplateMessage],
+    /// Checked by [`Validation::tools`].
+    pub tools: Option<&'a ValidTools>,
+    /// `chat_template_kwargs` (or what an API's own fields mean for the
+    /// template, e.g. Anthropic's `thinking`).
+    pub kwargs: &'a TemplateKwargs,
+    /// The response format, with the field it came from.
+    pub format: Option<(String, Constraint)>,
+}
+
+/// A chat request that passed validation.
+pub struct ValidChat {
+    pub prompt: Validated,
+    /// With a reasoning parser: its tags and where this prompt's output
+    /// starts relative to the thinking block.
+    pub reasoning: Option<(ReasoningFormat, ThinkStart)>,
+    /// The rendered prompt (the Responses API and tests read it).
+    pub rendered: String,
+}
+
+impl Validation {
+    /// Renders, constrains and validates one chat request; `params` carry
+    /// everything but the constraint.
+    pub fn validate_chat(&self, input: ChatInput<'_>, mut params: GenerateParameters) -> Result<ValidChat, ValidationError> {
+        check_kwargs(input.kwargs)?;
+        let shown = input.tools.and_then(ValidTools::shown);
+        let rendered = self.render_chat_with_tools(input.messages, shown, input.kwargs)?;
+        let reasoning = self.reasoning.clone().map(|format| {
+            let start = format.start(&rendered);
+            (format, start)
+        });
+        let constraint = one_constraint(input.format, input.tools.and_then(|t| t.constraint.clone()))?;
+        params.constraint = match (&reasoning, constraint) {
+            (Some((format, start)), Some((field, answer))) => Some((field, format.after_thinking(answer, *start))),
+            (_, constraint) => constraint,
+        };
+        let mut prompts = self.validate_prompts(&[Prompt::Chat(rendered.clone())], "messages", &params)?;
+        Ok(ValidChat { prompt: prompts.remove(0), reasoning, rendered })
+    }
+}
+
+/// Template variables may be any JSON values, under names of their own.
+fn check_kwargs(kwargs: &TemplateKwargs) -> Result<(), ValidationError> {
+    match kwargs.keys().find(|k| STANDARD_VARIABLES.contains(&k.as_str())) {
+        Some(name) => Err(ValidationError::Unsupported {
+            field: format!("chat_template_kwargs.{name}"),
+            message: "is set by the server; pass it in the request's own fields".into(),
+        }),
+        None => Ok(()),
+    }
+}
