@@ -334,12 +334,16 @@ QWEN3_TEMPLATE = r"""
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen3_dir(tmp_path_factory, model_dir) -> Path:
+def tiny_qwen3_dir(tmp_path_factory) -> Path:
     """A 2-layer random-weight Qwen3 that thinks like Qwen3: SmolLM2's
     tokenizer (ChatML) with `<think>` and `</think>` added as tokens (not
-    special, as in Qwen3's), and a Qwen3-style template."""
+    special, as in Qwen3's), and a Qwen3-style template. (It needs the
+    bundled model's files, not its server.)"""
     from tokenizers import AddedToken, Tokenizer
+    from sluice_server.download import bundled_model_path, resolve_model
     from sluice_server.testing import make_tiny_model
+
+    model_dir = resolve_model(str(bundled_model_path()))
 
     out = make_tiny_model(
         tmp_path_factory.mktemp("tiny-qwen3"), "qwen3",

@@ -389,6 +389,24 @@ mod tests {
         ok: String,
     }
 
+    #[test]
+    fn kwargs_are_template_variables_beside_the_standard_ones() {
+        let template = ChatTemplate::new(
+            "{{ messages[0].content }}{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{{ add_generation_prompt }}".into(),
+            None,
+            None,
+        )
+        .unwrap();
+        let messages = [TemplateMessage::text("user", "hi")];
+        let mut kwargs = TemplateKwargs::new();
+        assert_eq!(template.apply_with_tools(&messages, None, true, &kwargs).unwrap(), "hitrue");
+        kwargs.insert("enable_thinking".into(), serde_json::Value::Bool(false));
+        assert_eq!(template.apply_with_tools(&messages, None, true, &kwargs).unwrap(), "hi<think></think>true");
+        // The standard variables win over a kwarg of the same name.
+        kwargs.insert("add_generation_prompt".into(), serde_json::Value::Bool(false));
+        assert_eq!(template.apply_with_tools(&messages, None, true, &kwargs).unwrap(), "hi<think></think>true");
+    }
+
     /// Tools, assistant tool calls and tool results render as transformers
     /// renders them (router/fixtures/chat_templates_tools.json).
     #[test]
@@ -397,7 +415,8 @@ mod tests {
         let template = ChatTemplate::new(fixture.template, None, fixture.eos_token).unwrap();
         assert!(template.supports_tools());
         for case in &fixture.cases {
-            let got = template.apply_with_tools(&case.messages, case.tools.as_deref(), case.add_generation_prompt);
+            let got =
+                template.apply_with_tools(&case.messages, case.tools.as_deref(), case.add_generation_prompt, &TemplateKwargs::new());
             assert_eq!(got.unwrap(), case.ok);
         }
         assert!(fixture.cases.iter().any(|c| c.messages.iter().any(|m| m.tool_calls.is_some())));

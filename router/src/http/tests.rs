@@ -26,6 +26,8 @@ struct Setup {
     limits: Option<crate::validation::RequestLimits>,
     cors_allow_origin: Vec<String>,
     web_ui: bool,
+    /// The model thinks like this (`--reasoning-parser`).
+    reasoning: Option<crate::reasoning::ReasoningParserKind>,
 }
 
 impl Default for Setup {
@@ -40,6 +42,7 @@ impl Default for Setup {
             limits: None,
             cors_allow_origin: vec![],
             web_ui: true,
+            reasoning: None,
         }
     }
 }
@@ -85,6 +88,7 @@ fn build_with_shard(setup: Setup) -> (Router, Arc<AppState>, FakeShardHandle) {
     if let Some(limits) = setup.limits {
         validation.limits = limits;
     }
+    validation.reasoning = setup.reasoning.map(crate::reasoning::ReasoningFormat::new);
     let limits = validation.limits.clone();
     let state = Arc::new(AppState {
         infer,
@@ -149,6 +153,7 @@ async fn post(app: &Router, path: &str, body: Value) -> (StatusCode, Value) {
     (status, serde_json::from_str(&text).unwrap_or_else(|_| panic!("not JSON: {text}")))
 }
 
+mod apis;
 mod structured;
 mod webui;
 

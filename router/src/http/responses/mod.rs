@@ -100,13 +100,17 @@ async fn create_response(
 }
 
 /// Answers `queued` at once; the task runs the generation and stores the
-/// result. Cancel aborts the task, which drops the generation.
+/// result. Cancel aborts the task, which drops the generation. The task
+/// starts only once the store holds it, so its result always finds its entry.
 fn run_in_background(state: &Arc<AppState>, choices: Choices, shape: ResponsesShape, mut record: RequestRecord) -> Response {
     let mut queued = shape.response.clone();
     queued.status = "queued".into();
     let stored = Stored { response: queued.clone(), turns: shape.turns.clone() };
-    let store = state.responses.clone();
+    let (start, started) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(async move {
+        if started.await.is_err() {
+            return;
+        }
         let id = shape.response.id.clone();
         match choices.collect(&mut record).await {
             Ok((results, usage)) => {
@@ -121,7 +125,8 @@ fn run_in_background(state: &Arc<AppState>, choices: Choices, shape: ResponsesSh
             }
         }
     });
-    store.insert(stored, Some(task.abort_handle()));
+    state.responses.insert(stored, Some(task.abort_handle()));
+    let _ = start.send(());
     Json(queued).into_response()
 }
 

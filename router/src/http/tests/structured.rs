@@ -14,7 +14,7 @@ use crate::validation::RequestLimits;
 use axum::http::StatusCode;
 
 /// Byte-level tokens: a tool listing in the system prompt is ~600 of them.
-fn setup() -> Setup {
+pub(super) fn setup() -> Setup {
     let mut setup = Setup::default();
     setup.fake.grammar = Some(Arc::new(GrammarCompiler::new(&byte_fallback_tokenizer(), 267, &[2]).unwrap()));
     setup.fake.num_blocks = 1024;
