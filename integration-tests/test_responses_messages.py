@@ -18,6 +18,12 @@ from openai import OpenAI
 
 from conftest import API_KEY
 
+# The newest anthropic client sends no sampling fields; Sluice still reads them.
+SAMPLING = {"temperature": 0}
+# Tool round trips without thinking: random weights that open a thinking
+# block rarely close it, and the call would never come.
+NO_THINKING = {"effort": "none"}
+
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
            "additionalProperties": False}
 
@@ -70,17 +76,24 @@ def test_responses_stream_event_order(oai):
 
 
 def test_responses_stream_helper_accumulates(oai):
+    """The client's stream helper checks every event against the items it
+    accumulated (indices, ids); its get_final_response wants a completed
+    response, and one cut at max_output_tokens ends `incomplete`, as OpenAI's."""
+    text = ""
     with oai.responses.stream(model="tgi", input="Say hi", max_output_tokens=5, temperature=0) as stream:
-        for _ in stream:
-            pass
-        final = stream.get_final_response()
-    assert final.output_text and final.usage.output_tokens == 5
+        for event in stream:
+            if event.type == "response.output_text.delta":
+                text += event.delta
+            last = event
+    assert last.type == "response.incomplete"
+    assert text and last.response.output_text == text and last.response.usage.output_tokens == 5
 
 
 def test_responses_function_call_round_trip(oai):
     tools = [{"type": "function", "name": "get_weather", "description": "Weather in a city", "parameters": WEATHER}]
     first = oai.responses.create(model="tgi", input="Weather in Paris?", tools=tools, tool_choice="required",
-                                 parallel_tool_calls=False, max_output_tokens=80, temperature=0)
+                                 parallel_tool_calls=False, max_output_tokens=80, temperature=0,
+                                 reasoning=NO_THINKING)
     calls = [item for item in first.output if item.type == "function_call"]
     assert len(calls) == 1 and calls[0].name == "get_weather"
     assert set(json.loads(calls[0].arguments)) == {"city"}
@@ -96,7 +109,8 @@ def test_responses_streamed_function_call(oai):
     tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
     arguments, done = "", None
     stream = oai.responses.create(model="tgi", input="Weather?", tools=tools, tool_choice="required",
-                                  parallel_tool_calls=False, max_output_tokens=80, temperature=0, stream=True)
+                                  parallel_tool_calls=False, max_output_tokens=80, temperature=0, stream=True,
+                                  reasoning=NO_THINKING)
     for event in stream:
         if event.type == "response.function_call_arguments.delta":
             arguments += event.delta
@@ -146,7 +160,7 @@ def test_background_response_cancels(oai, qwen3_launcher):
 # ---- /v1/messages ----------------------------------------------------------
 
 def test_messages_create(claude):
-    m = claude.messages.create(model="tgi", max_tokens=6, system="Be brief.", temperature=0,
+    m = claude.messages.create(model="tgi", max_tokens=6, system="Be brief.", extra_body={"temperature": 0},
                                messages=[{"role": "user", "content": "Say hi"}])
     assert m.type == "message" and m.role == "assistant" and m.id.startswith("msg_")
     assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 6
@@ -154,11 +168,11 @@ def test_messages_create(claude):
 
 
 def test_messages_stream(claude):
-    with claude.messages.stream(model="tgi", max_tokens=6, temperature=0,
+    with claude.messages.stream(model="tgi", max_tokens=6, extra_body=SAMPLING,
                                 messages=[{"role": "user", "content": "Say hi"}]) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
-    buffered = claude.messages.create(model="tgi", max_tokens=6, temperature=0,
+    buffered = claude.messages.create(model="tgi", max_tokens=6, extra_body=SAMPLING,
                                       messages=[{"role": "user", "content": "Say hi"}])
     assert final.content == buffered.content
     assert text == "".join(b.text for b in final.content if b.type == "text")
@@ -166,13 +180,13 @@ def test_messages_stream(claude):
 
 
 def test_messages_stop_sequences(claude, oai):
-    full = claude.messages.create(model="tgi", max_tokens=12, temperature=0,
+    full = claude.messages.create(model="tgi", max_tokens=12, extra_body=SAMPLING,
                                   messages=[{"role": "user", "content": "Count"}])
     text = "".join(b.text for b in full.content if b.type == "text")
     if len(text) < 4:
         pytest.skip(f"the greedy text {text!r} is too short to cut")  # random weights: not expected
     stop = text[2:4]
-    cut = claude.messages.create(model="tgi", max_tokens=12, temperature=0, stop_sequences=[stop],
+    cut = claude.messages.create(model="tgi", max_tokens=12, extra_body=SAMPLING, stop_sequences=[stop],
                                  messages=[{"role": "user", "content": "Count"}])
     assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
 
@@ -180,19 +194,21 @@ def test_messages_stop_sequences(claude, oai):
 def test_messages_tool_use_round_trip(claude):
     tools = [{"name": "get_weather", "description": "Weather in a city", "input_schema": WEATHER}]
     ask = [{"role": "user", "content": "Weather in Paris?"}]
-    m = claude.messages.create(model="tgi", max_tokens=80, tools=tools, temperature=0,
+    m = claude.messages.create(model="tgi", max_tokens=80, tools=tools, extra_body=SAMPLING,
+                               thinking={"type": "disabled"},
                                tool_choice={"type": "any", "disable_parallel_tool_use": True}, messages=ask)
     uses = [b for b in m.content if b.type == "tool_use"]
     assert m.stop_reason == "tool_use" and len(uses) == 1
     assert uses[0].name == "get_weather" and set(uses[0].input) == {"city"}
     answer = claude.messages.create(
-        model="tgi", max_tokens=4, tools=tools, tool_choice={"type": "none"}, temperature=0,
+        model="tgi", max_tokens=4, tools=tools, tool_choice={"type": "none"}, extra_body=SAMPLING,
         messages=ask + [{"role": "assistant", "content": m.content},
                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
                                                       "content": "sunny"}]}])
     assert answer.usage.input_tokens > m.usage.input_tokens
     # Streamed, the call arrives as input_json deltas.
-    with claude.messages.stream(model="tgi", max_tokens=80, tools=tools, temperature=0,
+    with claude.messages.stream(model="tgi", max_tokens=80, tools=tools, extra_body=SAMPLING,
+                                thinking={"type": "disabled"},
                                 tool_choice={"type": "tool", "name": "get_weather"}, messages=ask) as stream:
         final = stream.get_final_message()
     assert [b.input for b in final.content if b.type == "tool_use"] == [uses[0].input]
@@ -210,17 +226,17 @@ def test_thinking_blocks(claude):
     here is the request side: thinking on and off reach the template, and a
     thinking block sent back in the history is taken."""
     ask = [{"role": "user", "content": "hi"}]
-    on = claude.messages.create(model="tgi", max_tokens=2048, temperature=0, messages=ask,
+    on = claude.messages.create(model="tgi", max_tokens=2048, extra_body=SAMPLING, messages=ask,
                                 thinking={"type": "enabled", "budget_tokens": 1024})
     kinds = [b.type for b in on.content]
     assert kinds in ([], ["text"], ["thinking"], ["thinking", "text"]), kinds
-    off = claude.messages.create(model="tgi", max_tokens=3, temperature=0, messages=ask,
+    off = claude.messages.create(model="tgi", max_tokens=3, extra_body=SAMPLING, messages=ask,
                                  thinking={"type": "disabled"})
     assert all(b.type != "thinking" for b in off.content)
     history = ask + [{"role": "assistant", "content": [{"type": "thinking", "thinking": "greet back", "signature": ""},
                                                       {"type": "text", "text": "Hello"}]},
                      {"role": "user", "content": "again"}]
-    again = claude.messages.create(model="tgi", max_tokens=2, temperature=0, messages=history)
+    again = claude.messages.create(model="tgi", max_tokens=2, extra_body=SAMPLING, messages=history)
     assert again.usage.input_tokens > on.usage.input_tokens
 
 

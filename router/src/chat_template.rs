@@ -399,12 +399,13 @@ mod tests {
         .unwrap();
         let messages = [TemplateMessage::text("user", "hi")];
         let mut kwargs = TemplateKwargs::new();
-        assert_eq!(template.apply_with_tools(&messages, None, true, &kwargs).unwrap(), "hitrue");
+        // Booleans print as Python's, as transformers renders them.
+        assert_eq!(template.apply_with_tools(&messages, None, true, &kwargs).unwrap(), "hiTrue");
         kwargs.insert("enable_thinking".into(), serde_json::Value::Bool(false));
-        assert_eq!(template.apply_with_tools(&messages, None, true, &kwargs).unwrap(), "hi<think></think>true");
+        assert_eq!(template.apply_with_tools(&messages, None, true, &kwargs).unwrap(), "hi<think></think>True");
         // The standard variables win over a kwarg of the same name.
         kwargs.insert("add_generation_prompt".into(), serde_json::Value::Bool(false));
-        assert_eq!(template.apply_with_tools(&messages, None, true, &kwargs).unwrap(), "hi<think></think>true");
+        assert_eq!(template.apply_with_tools(&messages, None, true, &kwargs).unwrap(), "hi<think></think>True");
     }
 
     /// Tools, assistant tool calls and tool results render as transformers

@@ -128,22 +128,27 @@ impl AnswerParser {
         self.reasoning.as_ref().map_or(0, ReasoningParser::reasoning_tokens)
     }
 
-    /// A finished choice read whole, token by token as it streamed (so
+    /// A finished choice's pieces, read token by token as it streamed (so
     /// special-token openers are seen).
-    pub fn read(mut self, r: &Collected) -> Answer {
+    pub fn read_all(&mut self, r: &Collected) -> Vec<Piece> {
         let mut pieces = Vec::new();
         // The visible text is a prefix of the tokens' texts (a stop sequence
         // cuts it), then whatever the detokenizer released at the end.
         let mut visible = r.text.as_str();
         for (token, text) in &r.tokens {
-            let take = text.len().min(visible.len());
-            // A cut inside a character cannot happen: the stop matcher
-            // releases whole strings; stay on a boundary regardless.
-            let take = (0..=take).rev().find(|&n| visible.is_char_boundary(n)).unwrap_or(0);
+            // Stay on a character boundary (the stop matcher releases whole
+            // strings; this only guards the slicing).
+            let take = (0..=text.len().min(visible.len())).rev().find(|&n| visible.is_char_boundary(n)).unwrap_or(0);
             pieces.extend(self.push(token.token_id, &visible[..take]));
             visible = &visible[take..];
         }
         pieces.extend(self.end(visible));
+        pieces
+    }
+
+    /// A finished choice read whole.
+    pub fn read(mut self, r: &Collected) -> Answer {
+        let pieces = self.read_all(r);
         let mut answer = Answer {
             reasoning_tokens: self.reasoning_tokens(),
             calls: self.calls().to_vec(),

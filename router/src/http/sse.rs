@@ -20,7 +20,8 @@ pub fn json_event(payload: &impl Serialize) -> Event {
 
 /// `event: NAME` and the JSON data.
 pub fn named_event(name: &str, payload: &impl Serialize) -> Event {
-    json_event(payload).event(name)
+    let data = serde_json::to_string(payload).unwrap_or_else(|e| format!(r#"{{"error":"cannot serialize event: {e}"}}"#));
+    Event::default().event(name).data(data)
 }
 
 pub fn done_event() -> Event {

@@ -341,15 +341,7 @@ impl MessagesShape {
 
     fn finish_buffered(mut self, results: Vec<Collected>, usage: TokenUsage) -> Message {
         let result = &results[0];
-        let mut visible = result.text.as_str();
-        for (token, text) in &result.tokens {
-            let take = (0..=text.len().min(visible.len())).rev().find(|&n| visible.is_char_boundary(n)).unwrap_or(0);
-            for piece in self.parser.push(token.token_id, &visible[..take]) {
-                self.builder.push(piece);
-            }
-            visible = &visible[take..];
-        }
-        for piece in self.parser.end(visible) {
+        for piece in self.parser.read_all(result) {
             self.builder.push(piece);
         }
         self.builder.close();

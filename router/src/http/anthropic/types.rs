@@ -35,6 +35,9 @@ pub struct MessagesRequest {
     pub metadata: Option<Metadata>,
     /// Only `auto` and `standard_only`.
     pub service_tier: Option<String>,
+    /// Accepted: the prefix cache reuses repeated prompts by itself.
+    #[schema(value_type = Option<Object>)]
+    pub cache_control: Option<Value>,
 }
 
 /// `POST /v1/messages/count_tokens`.
@@ -112,6 +115,8 @@ pub struct TextBlock {
     pub kind: String,
     pub text: String,
     pub cache_control: Option<Value>,
+    /// An earlier answer's citations, sent back: nothing to act on.
+    pub citations: Option<Value>,
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -148,6 +148,10 @@ fn prepare(state: &AppState, body: &[u8]) -> Result<(Validated, ResponsesShape),
     let tools = state.validation.tools(&tool_request(&request)?).map_err(responses_field)?;
     let mut kwargs = TemplateKwargs::new();
     if let Some(effort) = request.reasoning.as_ref().and_then(|r| r.effort.clone()) {
+        // OpenAI's "none": no reasoning; Qwen3's templates spell it enable_thinking.
+        if effort == "none" {
+            kwargs.insert("enable_thinking".into(), Value::Bool(false));
+        }
         kwargs.insert("reasoning_effort".into(), Value::String(effort));
     }
     let sampling = SamplingFields {
@@ -409,15 +413,7 @@ impl ResponsesShape {
 
     fn finish_buffered(mut self, results: Vec<Collected>, usage: TokenUsage) -> ResponseObject {
         let result = &results[0];
-        let mut visible = result.text.as_str();
-        for (token, text) in &result.tokens {
-            let take = (0..=text.len().min(visible.len())).rev().find(|&n| visible.is_char_boundary(n)).unwrap_or(0);
-            for piece in self.parser.push(token.token_id, &visible[..take]) {
-                self.builder.push(piece);
-            }
-            visible = &visible[take..];
-        }
-        for piece in self.parser.end(visible) {
+        for piece in self.parser.read_all(result) {
             self.builder.push(piece);
         }
         self.builder.close();

@@ -32,7 +32,8 @@ pub struct CreateResponse {
     pub parallel_tool_calls: Option<bool>,
     /// `{"format": {"type": "text" | "json_object" | "json_schema", ...}}`.
     pub text: Option<TextOptions>,
-    /// `{"effort": ...}`: passed to the chat template as `reasoning_effort`.
+    /// `{"effort": ...}`: passed to the chat template as `reasoning_effort`;
+    /// `"none"` also sets `enable_thinking: false` (no thinking).
     pub reasoning: Option<ReasoningOptions>,
     /// Continue the conversation of a stored response.
     pub previous_response_id: Option<String>,

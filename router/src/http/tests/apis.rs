@@ -37,7 +37,7 @@ fn output_text(response: &Value) -> String {
 
 #[tokio::test]
 async fn a_response_buffered_and_streamed_agree() {
-    let (app, _) = build(Setup::default());
+    let (app, _) = build(setup());
     let body = json!({"model": "tiny", "input": "Hello", "max_output_tokens": 5, "temperature": 0});
     let (status, response) = post(&app, "/v1/responses", body.clone()).await;
     assert_eq!(status, StatusCode::OK, "{response}");
@@ -69,7 +69,7 @@ async fn a_response_buffered_and_streamed_agree() {
 
 #[tokio::test]
 async fn stored_responses_chain_and_go() {
-    let (app, _) = build(Setup::default());
+    let (app, _) = build(setup());
     let (_, first) = post(&app, "/v1/responses", json!({"input": "Hi", "max_output_tokens": 2, "temperature": 0})).await;
     let id = first["id"].as_str().unwrap();
     let (status, _, got) = call(&app, "GET", &format!("/v1/responses/{id}"), None).await;
@@ -137,12 +137,12 @@ async fn a_response_calls_a_function_and_streams_its_arguments() {
 
 #[tokio::test]
 async fn responses_refuse_what_they_do_not_honour() {
-    let (app, _) = build(Setup::default());
+    let (app, _) = build(setup());
     for (body, param) in [
         (json!({"input": "x", "frobnicate": true}), "frobnicate"),
         (json!({"input": ""}), "input"),
         (json!({"input": [{"type": "item_reference", "id": "x"}]}), "input[0].type"),
-        (json!({"input": [{"role": "user", "content": "x", "extra": 1}]}), "input[0]"),
+        (json!({"input": [{"role": "user", "content": "x", "extra": 1}]}), "input[0].extra"),
         (json!({"input": "x", "truncation": "auto"}), "truncation"),
         (json!({"input": "x", "text": {"format": {"type": "yaml"}}}), "text.format.type"),
         (json!({"input": "x", "tools": [{"type": "function", "name": "a b"}]}), "tools[0].name"),
@@ -156,7 +156,7 @@ async fn responses_refuse_what_they_do_not_honour() {
 
 #[tokio::test]
 async fn a_message_buffered_and_streamed_agree() {
-    let (app, _) = build(Setup::default());
+    let (app, _) = build(setup());
     let body = json!({"model": "tiny", "max_tokens": 5, "temperature": 0, "system": [{"type": "text", "text": "Be brief"}],
                       "messages": [{"role": "user", "content": "Hello"}]});
     let (status, message) = post(&app, "/v1/messages", body.clone()).await;
@@ -211,7 +211,7 @@ async fn a_message_uses_a_tool_and_takes_its_result() {
 
 #[tokio::test]
 async fn messages_errors_are_anthropic_shaped() {
-    let (app, _) = build(Setup::default());
+    let (app, _) = build(setup());
     for (body, status, words) in [
         (json!({"model": "tiny", "max_tokens": 5, "messages": [], "x": 1}), StatusCode::BAD_REQUEST, "x"),
         (json!({"model": "tiny", "max_tokens": 5, "messages": []}), StatusCode::BAD_REQUEST, "messages"),
@@ -231,7 +231,7 @@ async fn messages_errors_are_anthropic_shaped() {
 
 #[tokio::test]
 async fn x_api_key_is_a_key_and_refusals_take_each_apis_shape() {
-    let (app, _) = build(Setup { api_key: Some("k".into()), ..Default::default() });
+    let (app, _) = build(Setup { api_key: Some("k".into()), ..setup() });
     let message = json!({"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]});
     let request = |key: (&str, &str)| {
         axum::http::Request::builder()
@@ -256,7 +256,7 @@ async fn x_api_key_is_a_key_and_refusals_take_each_apis_shape() {
 
 #[tokio::test]
 async fn detokenize_inverts_token_ids() {
-    let (app, _) = build(Setup::default());
+    let (app, _) = build(setup());
     // Byte tokens are 3 + byte in the test tokenizer.
     let ids: Vec<u32> = "Hi there".bytes().map(|b| 3 + u32::from(b)).collect();
     let (status, response) = post(&app, "/detokenize", json!({"tokens": ids})).await;
@@ -326,13 +326,31 @@ async fn reasoning_models_get_their_constraint_after_the_block() {
     let mut s = setup();
     s.reasoning = Some(crate::reasoning::ReasoningParserKind::Qwen3);
     let (app, _, shard) = build_with_shard(s);
-    let body = json!({"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 200,
+    let body = json!({"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 40,
                       "response_format": {"type": "json_object"}});
     let (status, response) = post(&app, "/v1/chat/completions", body).await;
     assert_eq!(status, StatusCode::OK, "{response}");
-    let content = response["choices"][0]["message"]["content"].as_str().unwrap();
-    assert!(serde_json::from_str::<Value>(content).is_ok_and(|v| v.is_object()), "{response}");
-    assert!(response["usage"]["completion_tokens_details"]["reasoning_tokens"].is_u64(), "{response}");
     let grammar = &shard.steps()[0].new_requests[0].grammar;
     assert!(grammar.contains("think[lazy]") && grammar.contains("@answer"), "{grammar}");
+    // The fake shard opens the block (the grammar allows it first) and
+    // never closes it: all is thinking, nothing answer, every token counted.
+    let choice = &response["choices"][0];
+    let (content, reasoning) = (choice["message"]["content"].as_str().unwrap(), choice["message"]["reasoning_content"].as_str());
+    match reasoning {
+        Some(reasoning) => {
+            assert!(content.is_empty() && !reasoning.contains("<think>"), "{response}");
+            assert_eq!(response["usage"]["completion_tokens_details"]["reasoning_tokens"], response["usage"]["completion_tokens"]);
+        }
+        None => assert!(serde_json::from_str::<Value>(content).is_ok_and(|v| v.is_object()), "{response}"),
+    }
+    // enable_thinking=false (a template that closes the block in the
+    // prompt) leaves the constraint alone.
+    let closed = json!({"messages": [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "<think></think>"}],
+                        "max_tokens": 40, "response_format": {"type": "json_object"}});
+    let (status, response) = post(&app, "/v1/chat/completions", closed).await;
+    assert_eq!(status, StatusCode::OK, "{response}");
+    let grammars: Vec<String> =
+        shard.steps().iter().flat_map(|s| s.new_requests.iter().map(|r| r.grammar.to_string())).collect();
+    let last = grammars.last().unwrap();
+    assert!(!last.is_empty() && !last.contains("think[lazy]"), "{last}");
 }
