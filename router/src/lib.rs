@@ -2,11 +2,13 @@
 //!
 //! A request travels through the modules in this order:
 //!
-//! 1. `http`        - axum app: OpenAI (`http::openai`) and TGI (`http::tgi`)
-//!    routes map bodies to parameters and shape answers; `http::generation`
-//!    drives every generation (submission, `n` choices, collected or
-//!    streamed results, usage); `http::error` maps every error to HTTP;
-//!    `http::webui` serves the web page (chat, dashboard) at `GET /`.
+//! 1. `http`        - axum app: OpenAI (`http::openai`, `http::responses`),
+//!    Anthropic (`http::anthropic`) and TGI (`http::tgi`) routes map bodies
+//!    to parameters and shape answers; `http::generation` drives every
+//!    generation (submission, `n` choices, collected or streamed results,
+//!    usage); `http::answer` reads each choice's text into reasoning, content
+//!    and tool calls; `http::error` maps every error to HTTP; `http::webui`
+//!    serves the web page (chat, dashboard) at `GET /`.
 //! 2. `validation`  - every check on client input: parses parameters and
 //!    prompts into a [`validation::Validated`] request; owns the tokenizer
 //!    (`tokenizer`), chat templates (`chat_template`) and output constraints:
@@ -25,7 +27,9 @@
 //!
 //! Structured output: `grammar` compiles constraints (JSON schema, regex,
 //! choice, Lark/GBNF) with llguidance at validation time; `tool_calls` turns
-//! declared tools into such a grammar and parses calls back out of the text.
+//! declared tools into such a grammar and parses calls back out of the text;
+//! `reasoning` splits a reasoning model's thinking off the answer (and puts
+//! the answer's grammar after it).
 //!
 //! The Batch API (`batch`): uploaded JSONL files and batches kept in an
 //! SQLite file under `--data-dir`; its runner sends each line through the

@@ -144,9 +144,8 @@ impl OutputBuilder {
                 "response.content_part.added",
                 json!({"item_id": item_id, "output_index": output_index, "content_index": 0, "part": part}),
             ));
-            match self.items.last_mut() {
-                Some(OutputItem::Reasoning { content, .. } | OutputItem::Message { content, .. }) => content.push(part),
-                _ => {}
+            if let Some(OutputItem::Reasoning { content, .. } | OutputItem::Message { content, .. }) = self.items.last_mut() {
+                content.push(part);
             }
         }
         events
