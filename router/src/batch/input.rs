@@ -18,7 +18,6 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::types::Endpoint;
-use super::BatchError;
 
 /// One line of an input file, checked.
 #[derive(Debug, Clone, PartialEq)]
@@ -53,16 +52,21 @@ struct RawLine {
     body: Value,
 }
 
+/// Why a file cannot be a batch's input (a 400: `BatchError::Invalid`).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct InvalidInput(pub String);
+
 /// Checks an upload; returns its number of request lines.
-pub fn check_upload(content: &[u8], max_lines: usize) -> Result<usize, BatchError> {
+pub fn check_upload(content: &[u8], max_lines: usize) -> Result<usize, InvalidInput> {
     Ok(parse(content, None, max_lines)?.len())
 }
 
 /// Every request line of `content`; `endpoint` None accepts any supported
 /// endpoint (an upload does not know its batch yet).
-pub fn parse(content: &[u8], endpoint: Option<Endpoint>, max_lines: usize) -> Result<Vec<InputLine>, BatchError> {
+pub fn parse(content: &[u8], endpoint: Option<Endpoint>, max_lines: usize) -> Result<Vec<InputLine>, InvalidInput> {
     let text = std::str::from_utf8(content).map_err(|e| {
-        BatchError::Invalid(format!("the file is not UTF-8 text (invalid byte at offset {})", e.valid_up_to()))
+        InvalidInput(format!("the file is not UTF-8 text (invalid byte at offset {})", e.valid_up_to()))
     })?;
     let mut lines = Vec::new();
     let mut seen: HashMap<String, u64> = HashMap::new();
@@ -72,14 +76,14 @@ pub fn parse(content: &[u8], endpoint: Option<Endpoint>, max_lines: usize) -> Re
             continue;
         }
         if lines.len() == max_lines {
-            return Err(BatchError::Invalid(format!(
+            return Err(InvalidInput(format!(
                 "the file has more than {max_lines} request lines (--batch-max-lines)"
             )));
         }
         let line = parse_line(i as u64 + 1, raw, endpoint);
         if let Some(custom_id) = line.custom_id() {
             if let Some(first) = seen.insert(custom_id.to_string(), line.line()) {
-                return Err(BatchError::Invalid(format!(
+                return Err(InvalidInput(format!(
                     "custom_id {custom_id:?} is used by lines {first} and {}: each request needs its own",
                     line.line()
                 )));

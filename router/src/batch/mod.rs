@@ -83,6 +83,12 @@ pub enum BatchError {
     Store(#[from] StoreError),
 }
 
+impl From<input::InvalidInput> for BatchError {
+    fn from(e: input::InvalidInput) -> Self {
+        Self::Invalid(e.0)
+    }
+}
+
 /// `POST /v1/batches`'s body.
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -186,7 +192,7 @@ impl Batches {
         }
         let content = self.file_content(&file.id).await?;
         let max_lines = self.config.max_lines;
-        let lines = blocking(move || input::parse(&content, Some(endpoint), max_lines)).await?;
+        let lines = blocking(move || Ok(input::parse(&content, Some(endpoint), max_lines)?)).await?;
         let now = unix_now();
         let batch = NewBatch {
             id: format!("batch_{}", uuid::Uuid::new_v4().simple()),

@@ -3,7 +3,10 @@
 //! one constraint (a response format or the tools' grammar) applied after a
 //! reasoning model's thinking, then the usual checks.
 
-use super::{one_constraint, GenerateParameters, Prompt, Validated, Validation, ValidationError, ValidTools};
+use super::constraints::{one_constraint, ValidTools};
+use super::error::ValidationError;
+use super::params::{GenerateParameters, Prompt};
+use super::validate::{Validated, Validation};
 use crate::chat_template::{TemplateKwargs, TemplateMessage, STANDARD_VARIABLES};
 use crate::grammar::Constraint;
 use crate::reasoning::{ReasoningFormat, ThinkStart};
