@@ -34,8 +34,6 @@ within 1% of float32.
 from __future__ import annotations
 
 import argparse
-import math
-import os
 import sys
 from pathlib import Path
 
@@ -43,9 +41,10 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("server", "kernels")]
 
-from sluice_server.batch import RequestState, Work  # noqa: E402
-from sluice_server.model_runner import KV_DTYPE_ENV, ModelRunner  # noqa: E402
-from sluice_server.pb import shard_pb2  # noqa: E402
+from sluice_server.model_runner import ModelRunner  # noqa: E402
+from sluice_server.options import ShardOptions  # noqa: E402
+from sluice_server.testing import fidelity as compare  # noqa: E402
+from sluice_server.testing import teacher_forced_logits as score  # noqa: E402
 
 TEXT = Path(__file__).with_name("quality_text.txt")
 
@@ -62,33 +61,6 @@ def tokenize(folder: Path, text: str, limit: int) -> list[int]:
     return Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text).ids[:limit]
 
 
-def score(runner: ModelRunner, tokens: list[int], chunk: int) -> torch.Tensor:
-    """Logits [len(tokens), vocab] under teacher forcing, computed in steps
-    of `chunk` tokens (1: one decode step per position)."""
-    bs = runner.block_size
-    blocks = list(range(-(-len(tokens) // bs)))
-    runner.allocate_kv_cache(len(blocks))
-    state = RequestState(id=0, token_ids=list(tokens), num_prompt_tokens=len(tokens), num_computed_tokens=0,
-                         block_ids=blocks, params=shard_pb2.SamplingParams())
-    out = []
-    start = 0
-    while start < len(tokens):
-        n = min(chunk, len(tokens) - start)
-        batch = runner.build_batch([Work(state, start, n, blocks)])
-        batch.logits_indices = torch.arange(n)
-        out.append(runner.execute(batch))
-        start += n
-    return torch.cat(out)
-
-
-def compare(logits: torch.Tensor, reference: torch.Tensor, tokens: list[int]) -> dict[str, float]:
-    targets = torch.tensor(tokens[1:])
-    logprobs = torch.log_softmax(logits[:-1].double(), -1)
-    nll = -logprobs.gather(1, targets.view(-1, 1)).mean().item()
-    agree = (logits[:-1].argmax(-1) == reference[:-1].argmax(-1)).double().mean().item()
-    return {"top1": agree, "ppl": math.exp(nll)}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model id/folder/.gguf (default: bundled SmolLM2)")
@@ -98,8 +70,6 @@ def main() -> None:
     parser.add_argument("--auto-kv-cache", choices=["float32", "bfloat16"], default=None,
                         help="the auto rows' KV cache dtype (default: the one auto picks)")
     args = parser.parse_args()
-    # Only the auto rows take another cache; float32 and bfloat16 keep theirs.
-    os.environ.pop(KV_DTYPE_ENV, None)
     torch.set_num_threads(args.threads)
     folder = resolve(args.model)
     tokens = tokenize(folder, TEXT.read_text(), args.tokens)
@@ -109,10 +79,8 @@ def main() -> None:
     reference = score(reference_runner, tokens, args.chunk)
     del reference_runner
     rows.append(("float32", reference))
-    if args.auto_kv_cache:
-        os.environ[KV_DTYPE_ENV] = args.auto_kv_cache
-    auto = ModelRunner(folder, dtype="auto")
-    os.environ.pop(KV_DTYPE_ENV, None)
+    # Only the auto rows take another cache; float32 and bfloat16 keep theirs.
+    auto = ModelRunner(folder, dtype="auto", options=ShardOptions(kv_cache_dtype=args.auto_kv_cache or "auto"))
     plan = auto.cpu_matmuls.describe() if auto.cpu_matmuls else "dense"
     plan += f"; KV cache {str(auto.kv_dtype).removeprefix('torch.')}"
     if auto.cpu_matmuls and auto.cpu_matmuls.block_rows > 0:

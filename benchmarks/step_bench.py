@@ -154,8 +154,8 @@ def run(shard: Shard, batch: int, prompt_len: int, steps: int, max_prefill: int)
 
 def set_block_rows(runner: ModelRunner, rows: int) -> None:
     """Matmuls (and C++ decode steps) of at most `rows` rows run on the GGUF
-    blocks from now on, larger ones on the dense weights: SLUICE_GGUF_MAX_ROWS
-    without reloading the model."""
+    blocks from now on, larger ones on the dense weights: the shard's
+    --cpu-block-rows without reloading the model."""
     for module in runner.model.modules():
         if getattr(module, "quantized", None) is not None:
             module.quantized.max_rows = rows

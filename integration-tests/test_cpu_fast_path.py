@@ -12,6 +12,7 @@ which other sequences share its steps.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import re
@@ -67,17 +68,55 @@ def test_served_by_int8_blocks_and_the_cpu_decoder(fast, model_dir):
     assert re.search(rf"runs? the C\+\+ decoder \({layers} layers\)", startup), startup
     # The plan this host gets (tests/test_model_numerics.py checks the plan
     # for each kind of CPU).
-    plan = plan_cpu_matmuls("auto", torch.float32, cpu_flags(), env={})
+    plan = plan_cpu_matmuls("auto", torch.float32, cpu_flags())
+    plan = dataclasses.replace(plan, dense_dtype=plan.dense_dtype or torch.float32)  # the model's, named
     assert f"CPU matmuls: {plan.describe()};" in startup, startup
+    # /info shows what the shard decided, as its startup log does.
+    assert info["cpu_matmuls"] == plan.describe(), info
+    assert info["kv_cache_dtype"] == "bfloat16", info
+    assert info["cpu_kernels"] in ("avx512_vnni", "avx_vnni", "avx2"), info
+    assert f"KV cache bfloat16, CPU kernels {info['cpu_kernels']}, weights " in startup, startup
+    # SmolLM2-135M's weights in memory: its Q4_1 blocks and the packed dense
+    # float32 weights (458 MiB in all when written); the bounds only catch a
+    # count that is off by far (bytes counted twice, or a form left out).
+    assert 300 * 2**20 < info["weight_bytes"] < 700 * 2**20, info
 
 
-def test_answers_sensibly(fast):
+def test_cpu_knobs_reach_the_shard(tmp_path):
+    """The launcher's --cpu-kernels, --kv-cache-dtype and --cpu-block-rows
+    (their env twins here, as a container would set them) change what the
+    shard runs, and /info says so: no C++ kernels, hence no GGUF blocks,
+    a float32 cache; the answer stays sensible on plain torch."""
+    server = start_launcher(
+        "--max-total-tokens", "256", "--max-input-tokens", "128", "--max-batch-prefill-tokens", "128",
+        "--kv-cache-bytes", str(32 * 1024 * 1024),
+        env={"SLUICE_CPU_KERNELS": "off", "SLUICE_KV_CACHE_DTYPE": "float32", "SLUICE_CPU_BLOCK_ROWS": "4"},
+        tmp=tmp_path,
+    )
+    try:
+        info = httpx.get(f"{server.base_url}/info", timeout=30).json()
+        if info["model_device_type"] != "cpu":
+            pytest.skip(f"CPU knobs; this shard runs on {info['model_device_type']}")
+        assert (info["cpu_kernels"], info["kv_cache_dtype"]) == ("none", "float32"), info
+        assert info["cpu_matmuls"].startswith("dense "), info
+        startup = "\n".join(server.head)
+        assert "C++ decoder" not in startup and "0 run GGUF blocks" in startup, startup
+        assert_knows_the_capital_of_france(server)
+    finally:
+        server.stop()
+
+
+def assert_knows_the_capital_of_france(server) -> None:
     text = httpx.post(
-        f"{fast.base_url}/generate",
+        f"{server.base_url}/generate",
         json={"inputs": "The capital of France is", "parameters": {"max_new_tokens": 8}},
         timeout=300,
     ).json()["generated_text"]
     assert "Paris" in text, text
+
+
+def test_answers_sensibly(fast):
+    assert_knows_the_capital_of_france(fast)
 
 
 def test_decode_rows_do_not_depend_on_the_other_rows(tmp_path):

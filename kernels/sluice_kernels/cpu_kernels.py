@@ -8,10 +8,11 @@ The ops are registered with the dispatcher as `torch.ops.sluice_cpu.*`.
 
 `load()` returns False, and the callers keep their plain-torch path (which
 computes the same thing), only where the kernels cannot be built at all: no
-C++ compiler (`$CXX`, default `c++`) or no ninja, or SLUICE_CPU_KERNELS=0;
-`unavailable_reason()` says which. Where a compiler exists, a build that
-fails raises `BuildError`: a broken kernel must stop the shard (and fail the
-tests), not quietly turn into the slower fallback.
+C++ compiler (`$CXX`, default `c++`) or no ninja; `unavailable_reason()`
+says which. Where a compiler exists, a build that fails raises `BuildError`:
+a broken kernel must stop the shard (and fail the tests), not quietly turn
+into the slower fallback. Whether to load them at all is the caller's
+decision (the shard's `--cpu-kernels`); this module reads no setting.
 
     paged_decode_attention(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window)
         float32 decode attention straight from the paged cache (float32 or
@@ -64,10 +65,6 @@ _state: dict = {}
 
 class BuildError(RuntimeError):
     """A C++ compiler is there, but the kernels did not build or load."""
-
-
-def enabled_by_env() -> bool:
-    return os.environ.get("SLUICE_CPU_KERNELS", "1") not in ("0", "false", "no")
 
 
 def _put_ninja_on_path() -> None:
@@ -147,8 +144,7 @@ def load() -> bool:
             raise _state["error"]
         if "ok" in _state:
             return _state["ok"]
-        reason = None if enabled_by_env() else "disabled by SLUICE_CPU_KERNELS"
-        reason = reason or missing_toolchain()
+        reason = missing_toolchain()
         if reason is not None:
             log.warning("CPU kernels off, using plain torch: %s", reason)
             _state.update(ok=False, reason=reason)
@@ -158,7 +154,7 @@ def load() -> bool:
         except Exception as e:
             error = BuildError(
                 f"the CPU kernels ({', '.join(p.name for p in SOURCES)}) failed to build or load: {e}\n"
-                "SLUICE_CPU_KERNELS=0 serves without them, on plain torch"
+                "--cpu-kernels off serves without them, on plain torch"
             )
             _state["error"] = error
             raise error from e

@@ -17,13 +17,12 @@ and a dense weight packed for oneDNN for the rest. The plan says which forms and
 `auto` is the fast path and not bitwise the float32 model; its accuracy
 against float32 is measured by benchmarks/quality.py and reported in the
 README. `float32` is token-identical to transformers in float32 (the golden
-tests). SLUICE_GGUF_MAX_ROWS overrides the row limit of either block path
-(0: never use the blocks).
+tests). The shard's `--cpu-block-rows N` replaces the row limit of either
+block path (0: never use the blocks).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -88,12 +87,16 @@ class CpuMatmuls:
         return f"{blocks} for steps of <= {self.block_rows} rows, dense {dense} (oneDNN) above"
 
 
-def plan_cpu_matmuls(requested_dtype: str, dtype: torch.dtype, flags: set[str], env: dict | None = None) -> CpuMatmuls:
+def plan_cpu_matmuls(
+    requested_dtype: str, dtype: torch.dtype, flags: set[str], block_rows: int | None = None
+) -> CpuMatmuls:
     """The plan for a model computed in `dtype`, asked for as `requested_dtype`
-    (the --dtype flag), on a CPU with `flags`. Whether the blocks exist is
-    found out later; without them only the dense weights run."""
-    env = os.environ if env is None else env
-    override = env.get("SLUICE_GGUF_MAX_ROWS")
+    (the --dtype flag), on a CPU with `flags`; `block_rows` (None: from the
+    CPU, as above) replaces the row limit where a block path applies. Whether
+    the blocks exist is found out later; without them only the dense weights
+    run."""
+    if block_rows is not None and block_rows < 0:
+        raise ValueError(f"block rows must be >= 0, got {block_rows}")
     if requested_dtype == "auto" and dtype == torch.float32:
         if "avx512_vnni" not in flags:
             rows = INT8_ROWS_AVX2
@@ -102,6 +105,8 @@ def plan_cpu_matmuls(requested_dtype: str, dtype: torch.dtype, flags: set[str], 
         else:
             rows = INT8_ROWS_VNNI
         dense = torch.bfloat16 if native_bf16(flags) else None
-        return CpuMatmuls(int8=True, block_rows=int(override) if override else rows, dense_dtype=dense)
+        return CpuMatmuls(int8=True, block_rows=rows if block_rows is None else block_rows, dense_dtype=dense)
     rows = EXACT_ROWS if dtype == torch.float32 else 0
-    return CpuMatmuls(int8=False, block_rows=int(override) if override and rows else rows, dense_dtype=None)
+    if rows and block_rows is not None:
+        rows = block_rows
+    return CpuMatmuls(int8=False, block_rows=rows, dense_dtype=None)

@@ -75,6 +75,24 @@ pub struct Args {
     #[arg(long, env = "KV_CACHE_BYTES")]
     pub kv_cache_bytes: Option<u64>,
 
+    /// KV-cache element type. Default (`auto`): bfloat16 on the CPU fast path (`--dtype auto`
+    /// on a GGUF's int8 blocks), else the model's dtype. `float32` and `bfloat16` are for CPU
+    /// shards (on CUDA only the model's dtype is accepted). Shown in /info.
+    #[arg(long, env = "SLUICE_KV_CACHE_DTYPE", value_parser = ["auto", "float32", "bfloat16"])]
+    pub kv_cache_dtype: Option<String>,
+
+    /// The shards' C++ CPU kernels. Default (`auto`): used where they build (plain torch
+    /// without a C++ compiler); `on`: a shard that cannot build them fails to start;
+    /// `off`: plain torch only. Their instruction-set path is shown in /info.
+    #[arg(long, env = "SLUICE_CPU_KERNELS", value_parser = ["auto", "on", "off"])]
+    pub cpu_kernels: Option<String>,
+
+    /// CPU matmuls of at most N rows (tokens in a step) run on a GGUF's quantized blocks,
+    /// larger ones on dense weights; 0: never on the blocks. Default: from the CPU's
+    /// features (every step with AVX-512 VNNI and no AMX). Shown in /info (`cpu_matmuls`).
+    #[arg(long, env = "SLUICE_CPU_BLOCK_ROWS", value_name = "N")]
+    pub cpu_block_rows: Option<u32>,
+
     /// The flags the router has too (HTTP, limits, API, timeouts, telemetry, cost,
     /// speculation): declared once, in the router crate, and handed on to the router.
     #[command(flatten)]
@@ -196,9 +214,14 @@ mod tests {
             "--payload-limit", "10", "--max-stop-sequences", "2", "--max-top-n-tokens", "3",
             "--served-model-name", "m", "--chat-template", "t.jinja", "--shutdown-timeout", "5",
             "--tool-call-parser", "llama3_json", "--trust-remote-code", "--kv-cache-bytes", "1000000", "--hourly-cost", "1.5",
-            "--cost-window-secs", "30", "--step-timeout", "45", "--no-web-ui",
+            "--cost-window-secs", "30", "--step-timeout", "45", "--no-web-ui", "--kv-cache-dtype", "float32",
+            "--cpu-kernels", "on", "--cpu-block-rows", "8",
         ])
         .unwrap();
+        assert_eq!(
+            (a.kv_cache_dtype.as_deref(), a.cpu_kernels.as_deref(), a.cpu_block_rows),
+            (Some("float32"), Some("on"), Some(8))
+        );
         assert_eq!(a.model_to_resolve(), "org/name");
         assert_eq!(a.num_shard, 2);
         assert_eq!(a.dtype.as_deref(), Some("bfloat16"));
@@ -242,6 +265,10 @@ mod tests {
         let err = parse(&["--port", "70000"]).unwrap_err().to_string();
         assert!(err.contains("--port"), "{err}");
         assert!(parse(&["--dtype", "int3"]).is_err());
+        for bad in [["--kv-cache-dtype", "fp8"], ["--cpu-kernels", "yes"], ["--cpu-block-rows", "all"]] {
+            let err = parse(&bad).unwrap_err().to_string();
+            assert!(err.contains(bad[0]), "{err}");
+        }
         for bad in ["--hourly-cost=-1", "--hourly-cost=nan", "--hourly-cost=inf"] {
             let err = parse(&[bad]).unwrap_err().to_string();
             assert!(err.contains("--hourly-cost") && err.contains("not a price"), "{err}");
@@ -267,6 +294,9 @@ mod tests {
             ("KV_CACHE_BYTES", "4096"),
             ("HOURLY_COST", "0.75"),
             ("SLUICE_WEB_UI", "false"),
+            ("SLUICE_KV_CACHE_DTYPE", "bfloat16"),
+            ("SLUICE_CPU_KERNELS", "off"),
+            ("SLUICE_CPU_BLOCK_ROWS", "0"),
         ];
         let env = ENV_LOCK.write().unwrap_or_else(|e| e.into_inner());
         for (k, v) in vars {
@@ -292,6 +322,10 @@ mod tests {
         assert_eq!(a.huggingface_hub_cache, Some(PathBuf::from("/hub-cache")));
         assert_eq!(a.kv_cache_bytes, Some(4096));
         assert_eq!(a.serving.hourly_cost, Some(0.75));
+        assert_eq!(
+            (a.kv_cache_dtype.as_deref(), a.cpu_kernels.as_deref(), a.cpu_block_rows),
+            (Some("bfloat16"), Some("off"), Some(0))
+        );
         let b = flag_wins.unwrap();
         assert_eq!(b.serving.port, 1234);
         assert_eq!(b.huggingface_hub_cache, Some(PathBuf::from("/flag")));

@@ -59,6 +59,15 @@ pub fn command(server: &Path, args: &Args, sockets: &ShardSockets, model_dir: &P
     if let Some(bytes) = args.kv_cache_bytes {
         command.arg("--kv-cache-bytes").arg(bytes.to_string());
     }
+    if let Some(dtype) = &args.kv_cache_dtype {
+        command.arg("--kv-cache-dtype").arg(dtype);
+    }
+    if let Some(mode) = &args.cpu_kernels {
+        command.arg("--cpu-kernels").arg(mode);
+    }
+    if let Some(rows) = args.cpu_block_rows {
+        command.arg("--cpu-block-rows").arg(rows.to_string());
+    }
     if args.serving.json_output {
         command.arg("--json-output");
     }
@@ -215,13 +224,15 @@ mod tests {
 
         let args = test_args(&[
             "--dtype", "float16", "--device", "cpu", "--kv-cache-bytes", "1024", "--json-output",
-            "--block-size", "32", "--shard-uds-path", "/s",
+            "--block-size", "32", "--shard-uds-path", "/s", "--kv-cache-dtype", "float32", "--cpu-kernels", "off",
+            "--cpu-block-rows", "0",
         ]);
         let cmd = command(Path::new("srv"), &args, &sockets(&args), Path::new("/m"), 0);
         assert_eq!(
             argv(&cmd),
             ["serve", "/m", "--uds-path", "/s", "--block-size", "32", "--device", "cpu", "--dtype", "float16",
-             "--kv-cache-bytes", "1024", "--json-output"]
+             "--kv-cache-bytes", "1024", "--kv-cache-dtype", "float32", "--cpu-kernels", "off",
+             "--cpu-block-rows", "0", "--json-output"]
         );
     }
 

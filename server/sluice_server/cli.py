@@ -2,7 +2,9 @@
 
     sluice-server serve MODEL_DIR --uds-path PATH [--dtype auto|float32|bfloat16|float16]
                   [--device cpu|cuda] [--kv-cache-bytes N] [--block-size 16]
-                  [--num-threads N] [--attention-backend auto|torch|triton] [--json-output]
+                  [--kv-cache-dtype auto|float32|bfloat16] [--cpu-kernels auto|on|off]
+                  [--cpu-block-rows N] [--num-threads N]
+                  [--attention-backend auto|torch|triton] [--json-output]
         Rank r (RANK, default 0) listens on unix://PATH-r and logs
         "Server started at unix://PATH-r" once it accepts calls.
         SIGTERM/SIGINT: stop, remove the socket, exit 0.
@@ -27,6 +29,7 @@ import time
 from pathlib import Path
 
 from sluice_server import telemetry
+from sluice_server.options import CPU_KERNEL_MODES, KV_CACHE_DTYPES, ShardOptions
 
 log = logging.getLogger("sluice_server")
 
@@ -79,6 +82,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     serve.add_argument("--kv-cache-bytes", type=int, default=None,
                        help="KV cache size on CPU (default: 30%% of available RAM at warmup)")
     serve.add_argument("--block-size", type=int, default=16)
+    serve.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                       help="KV cache element type; auto: bfloat16 on the CPU fast path (--dtype auto on a "
+                            "GGUF's int8 blocks), else the model's dtype. Others: CPU only")
+    serve.add_argument("--cpu-kernels", default="auto", choices=CPU_KERNEL_MODES,
+                       help="the C++ CPU kernels: auto uses them where they build, on fails to start "
+                            "without them, off serves on plain torch")
+    serve.add_argument("--cpu-block-rows", type=int, default=None, metavar="N",
+                       help="CPU matmuls of at most N rows run on a GGUF's blocks (0: never); "
+                            "default: from the CPU's features")
     serve.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                        help="auto: triton on CUDA, torch on CPU (triton on CPU needs TRITON_INTERPRET=1)")
     serve.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -109,6 +121,9 @@ async def serve(args: argparse.Namespace) -> int:
 
     if args.block_size <= 0:
         raise ValueError(f"--block-size must be > 0, got {args.block_size}")
+    options = ShardOptions(
+        kv_cache_dtype=args.kv_cache_dtype, cpu_kernels=args.cpu_kernels, cpu_block_rows=args.cpu_block_rows
+    )
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: no CUDA device is available")
@@ -121,11 +136,13 @@ async def serve(args: argparse.Namespace) -> int:
         started = time.perf_counter()
         runner = ModelRunner(
             args.model_dir, dtype=args.dtype, device=args.device, block_size=args.block_size, dist=dist,
-            attention_backend=args.attention_backend,
+            attention_backend=args.attention_backend, options=options,
         )
         log.info(
-            "loaded %s (%s, %s) in %.1fs, %d CPU threads", args.model_dir, runner.model_type, runner.dtype,
-            time.perf_counter() - started, torch.get_num_threads(),
+            "loaded %s (%s, %s) in %.1fs, %d CPU threads; KV cache %s, CPU kernels %s, weights %.1f MiB",
+            args.model_dir, runner.model_type, str(runner.dtype).removeprefix("torch."),
+            time.perf_counter() - started, torch.get_num_threads(), str(runner.kv_dtype).removeprefix("torch."),
+            runner.cpu_kernels_isa, runner.weight_bytes / 2**20,
         )
         return dist, runner
 

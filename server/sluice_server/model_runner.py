@@ -7,6 +7,7 @@ shard (servicer.py) commits to its request table and maps to the reply.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -17,16 +18,18 @@ from pathlib import Path
 
 import torch
 
+from sluice_kernels import cpu_kernels
+from sluice_kernels.cpu_matmuls import CpuMatmuls, cpu_flags, native_bf16, plan_cpu_matmuls
 from sluice_server import constraints, sampling
 from sluice_server.batch import Batch, RequestState, Work, build_batch
 from sluice_server.distributed import SINGLE, Distributed
 from sluice_server.kv_cache import KVCache
 from sluice_server.layers.backends import get_backend
-from sluice_kernels.cpu_matmuls import CpuMatmuls, cpu_flags, native_bf16, plan_cpu_matmuls
 from sluice_server.layers.gguf_weights import attach_gguf_weights
-from sluice_server.layers.linear import pack_linear_weights
+from sluice_server.layers.linear import pack_linear_weights, weight_bytes
 from sluice_server.models import build_model, load_weights
 from sluice_server.models.llama_cpu_decoder import LlamaCpuDecoder, build_llama_cpu_decoder
+from sluice_server.options import KV_CACHE_DTYPES, ShardOptions
 from sluice_server.pb import shard_pb2
 
 log = logging.getLogger(__name__)
@@ -44,6 +47,23 @@ CUDA_KV_MARGIN = 0.10
 
 class KVBudgetError(RuntimeError):
     """The KV cache cannot hold even one request of max_total_tokens."""
+
+
+class CpuKernelsUnavailable(RuntimeError):
+    """--cpu-kernels on, and the C++ CPU kernels cannot be built here."""
+
+
+def use_cpu_kernels(mode: str, device: torch.device) -> bool:
+    """Whether this shard runs the C++ CPU kernels (loading them if so)."""
+    if device.type != "cpu" or mode == "off":
+        return False
+    if cpu_kernels.load():  # BuildError where a compiler exists and the build fails
+        return True
+    if mode == "on":
+        raise CpuKernelsUnavailable(
+            f"--cpu-kernels on: the C++ CPU kernels cannot be built here: {cpu_kernels.unavailable_reason()}"
+        )
+    return False
 
 
 def choose_dtype(requested: str, device: torch.device, config: dict, flags: set[str] | None = None) -> torch.dtype:
@@ -64,28 +84,32 @@ def choose_dtype(requested: str, device: torch.device, config: dict, flags: set[
     return DTYPES[stored] if stored in ("bfloat16", "float16") else torch.bfloat16
 
 
-KV_DTYPE_ENV = "SLUICE_KV_CACHE_DTYPE"
-
-
-def choose_kv_dtype(dtype: torch.dtype, plan: CpuMatmuls | None, env: dict | None = None) -> torch.dtype:
-    """The KV cache's element type: the model's dtype, except on the CPU fast
-    path (`--dtype auto` with int8 activations on GGUF blocks, a float32
-    model), which stores K and V as bfloat16. Decode attention reads the
-    whole context every step, so its time is mostly bytes: bf16 halves them
-    (and doubles the tokens a cache budget holds), and the C++ kernel widens
-    each element back to float32 exactly as it reads it. Like the int8
-    activations, the rounding is measured against float32 by
-    benchmarks/quality.py. SLUICE_KV_CACHE_DTYPE (float32 or bfloat16)
-    overrides the choice on CPU, to compare the two."""
-    env = os.environ if env is None else env
-    override = env.get(KV_DTYPE_ENV)
-    if plan is not None and override:
-        if override not in ("float32", "bfloat16"):
-            raise ValueError(f"{KV_DTYPE_ENV}={override!r} is not float32 or bfloat16")
-        return DTYPES[override]
-    if plan is not None and plan.int8 and plan.block_rows > 0 and dtype == torch.float32:
-        return torch.bfloat16
-    return dtype
+def choose_kv_dtype(
+    dtype: torch.dtype, plan: CpuMatmuls | None, requested: str = "auto", device_type: str = "cpu"
+) -> torch.dtype:
+    """The KV cache's element type (--kv-cache-dtype `requested`). auto: the
+    model's dtype, except on the CPU fast path (`--dtype auto` with int8
+    activations on GGUF blocks, a float32 model), which stores K and V as
+    bfloat16. Decode attention reads the whole context every step, so its
+    time is mostly bytes: bf16 halves them (and doubles the tokens a cache
+    budget holds), and the C++ kernel widens each element back to float32
+    exactly as it reads it. Like the int8 activations, the rounding is
+    measured against float32 by benchmarks/quality.py. float32 or bfloat16
+    set it on CPU (to compare the two); a CUDA shard's Triton kernels read
+    a cache of the model's dtype only."""
+    if requested == "auto":
+        if plan is not None and plan.int8 and plan.block_rows > 0 and dtype == torch.float32:
+            return torch.bfloat16
+        return dtype
+    if requested not in DTYPES:
+        raise ValueError(f"--kv-cache-dtype {requested!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+    if device_type != "cpu" and DTYPES[requested] != dtype:
+        model = str(dtype).removeprefix("torch.")
+        raise ValueError(
+            f"--kv-cache-dtype {requested}: a {device_type} shard keeps its KV cache in the model's dtype "
+            f"({model}); other cache dtypes run on CPU only"
+        )
+    return DTYPES[requested]
 
 
 def eos_token_ids(folder: Path, config: dict) -> list[int]:
@@ -185,6 +209,7 @@ class ModelRunner:
         dist: Distributed = SINGLE,
         attention_backend: str = "auto",
         pack_weights: bool = True,
+        options: ShardOptions = ShardOptions(),
     ):
         self.model_dir = Path(model_dir)
         config_path = self.model_dir / "config.json"
@@ -198,14 +223,21 @@ class ModelRunner:
         self.cpu_decoder: LlamaCpuDecoder | None = None
         self.block_size = block_size
         self.dist = dist
-        self.backend = get_backend(self.device, attention_backend)
+        self.options = options
+        # The C++ CPU kernels in use: attention, small ops, GGUF block
+        # matmuls, the decoder; their instruction-set path ("none": unused).
+        self.uses_cpu_kernels = use_cpu_kernels(options.cpu_kernels, self.device)
+        self.cpu_kernels_isa = cpu_kernels.isa_path() if self.uses_cpu_kernels else "none"
+        self.backend = get_backend(self.device, attention_backend, cpu_kernels=self.uses_cpu_kernels)
         self.model = build_model(self.config, dist, self.backend, self.dtype, self.device)
         load_weights(self.model, self.model_dir)
         if self.device.type == "cpu" and pack_weights:
             self.cpu_matmuls = self._prepare_cpu_weights(dtype)
             if self.cpu_matmuls.block_rows > 0:
                 self.cpu_decoder = build_llama_cpu_decoder(self.model)
-        self.kv_dtype = choose_kv_dtype(self.dtype, self.cpu_matmuls)
+        self.kv_dtype = choose_kv_dtype(self.dtype, self.cpu_matmuls, options.kv_cache_dtype, self.device.type)
+        # Bytes of this rank's weights in memory, every form counted.
+        self.weight_bytes = weight_bytes(self.model)
         cfg = self.model.config
         self.model_type: str = cfg.model_type
         self.vocab_size: int = cfg.vocab_size
@@ -220,12 +252,16 @@ class ModelRunner:
     def _prepare_cpu_weights(self, requested_dtype: str) -> CpuMatmuls:
         """Attaches the GGUF blocks and packs the dense weights as the plan
         says (sluice_kernels.cpu_matmuls); returns the plan that holds."""
-        plan = plan_cpu_matmuls(requested_dtype, self.dtype, cpu_flags())
-        blocks = attach_gguf_weights(
-            self.model, self.model_dir, self.dist.world_size, int8=plan.int8, max_rows=plan.block_rows
-        )
+        plan = plan_cpu_matmuls(requested_dtype, self.dtype, cpu_flags(), self.options.cpu_block_rows)
+        blocks = 0
+        if self.uses_cpu_kernels:  # the block matmuls are C++ kernels
+            blocks = attach_gguf_weights(
+                self.model, self.model_dir, self.dist.world_size, int8=plan.int8, max_rows=plan.block_rows
+            )
         if not blocks:
             plan = CpuMatmuls(int8=False, block_rows=0, dense_dtype=None)
+        # The dtype the dense weights are packed in, named (None meant the model's).
+        plan = dataclasses.replace(plan, dense_dtype=plan.dense_dtype or self.dtype)
         packed = pack_linear_weights(self.model, plan.dense_dtype)
         log.info("CPU matmuls: %s; %d run GGUF blocks, %d packed dense", plan.describe(), blocks, packed)
         return plan

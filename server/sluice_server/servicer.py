@@ -83,6 +83,10 @@ class Shard:
             eos_token_ids=r.eos_token_ids,
             max_position_embeddings=r.max_position_embeddings,
             attention_backend=r.backend.name,
+            kv_cache_dtype=str(r.kv_dtype).removeprefix("torch."),
+            cpu_matmuls=r.cpu_matmuls.describe() if r.cpu_matmuls else "",
+            cpu_kernels=r.cpu_kernels_isa,
+            weight_bytes=r.weight_bytes,
         )
 
     def warmup(self, req: shard_pb2.WarmupRequest) -> shard_pb2.WarmupResponse:

@@ -109,3 +109,49 @@ def make_tiny_model(folder: Path, kind: str = "llama", seed: int = 0, **override
                 p.add_(torch.randn_like(p) * 0.2)
     model.save_pretrained(folder)
     return folder
+
+
+def teacher_forced_logits(runner, tokens: list[int], chunk: int):
+    """Logits [len(tokens), vocab] of one sequence under teacher forcing, run
+    through `runner` (a model_runner.ModelRunner) in steps of `chunk` tokens
+    (1: one decode step per position, the decode path; more: prefill chunks).
+    Row p scores token p + 1."""
+    import torch
+
+    from sluice_server.batch import RequestState, Work
+    from sluice_server.pb import shard_pb2
+
+    bs = runner.block_size
+    blocks = list(range(-(-len(tokens) // bs)))
+    runner.allocate_kv_cache(len(blocks))
+    state = RequestState(id=0, token_ids=list(tokens), num_prompt_tokens=len(tokens), num_computed_tokens=0,
+                         block_ids=blocks, params=shard_pb2.SamplingParams())
+    out = []
+    start = 0
+    while start < len(tokens):
+        n = min(chunk, len(tokens) - start)
+        batch = runner.build_batch([Work(state, start, n, blocks)])
+        batch.logits_indices = torch.arange(n)
+        out.append(runner.execute(batch))
+        start += n
+    return torch.cat(out)
+
+
+def fidelity(logits, reference, tokens: list[int]) -> dict[str, float]:
+    """How far teacher-forced `logits` are from `reference` (float32's) on
+    `tokens`: top-1 agreement over the positions that score a token, this
+    path's perplexity, and each row's relative logit error ||l - ref|| / ||ref||
+    (mean and worst, with the worst row's position)."""
+    import math
+
+    import torch
+
+    targets = torch.tensor(tokens[1:])
+    logprobs = torch.log_softmax(logits[:-1].double(), -1)
+    nll = -logprobs.gather(1, targets.view(-1, 1)).mean().item()
+    agree = (logits[:-1].argmax(-1) == reference[:-1].argmax(-1)).double().mean().item()
+    rel = ((logits - reference).double().norm(dim=-1) / reference.double().norm(dim=-1))
+    return {
+        "top1": agree, "ppl": math.exp(nll), "logit_error": rel.mean().item(),
+        "worst_logit_error": rel.max().item(), "worst_row": int(rel.argmax()),
+    }

@@ -212,22 +212,26 @@ VNNI = {"avx2", "avx512f", "avx512_vnni"}
 
 
 @pytest.mark.parametrize(
-    "requested,dtype,flags,env,want",
+    "requested,dtype,flags,block_rows,want",
     [
         # --dtype auto on a float32 model: int8 blocks, up to the host's limit.
-        ("auto", torch.float32, {"avx2"}, {}, CpuMatmuls(True, 8, None)),
-        ("auto", torch.float32, VNNI, {}, CpuMatmuls(True, ALL_ROWS, None)),
-        ("auto", torch.float32, VNNI | {"avx512_bf16"}, {}, CpuMatmuls(True, ALL_ROWS, torch.bfloat16)),
-        ("auto", torch.float32, VNNI | {"avx512_bf16", "amx_bf16", "amx_int8"}, {}, INT8_PLAN),
-        ("auto", torch.float32, VNNI, {"SLUICE_GGUF_MAX_ROWS": "32"}, CpuMatmuls(True, 32, None)),
-        ("auto", torch.float32, VNNI, {"SLUICE_GGUF_MAX_ROWS": "0"}, CpuMatmuls(True, 0, None)),
-        # Exact blocks for --dtype float32; none for a reduced-precision model.
-        ("float32", torch.float32, VNNI, {}, EXACT_PLAN),
-        ("auto", torch.bfloat16, VNNI | {"avx512_bf16"}, {}, NO_BLOCKS),
+        ("auto", torch.float32, {"avx2"}, None, CpuMatmuls(True, 8, None)),
+        ("auto", torch.float32, VNNI, None, CpuMatmuls(True, ALL_ROWS, None)),
+        ("auto", torch.float32, VNNI | {"avx512_bf16"}, None, CpuMatmuls(True, ALL_ROWS, torch.bfloat16)),
+        ("auto", torch.float32, VNNI | {"avx512_bf16", "amx_bf16", "amx_int8"}, None, INT8_PLAN),
+        # --cpu-block-rows replaces the limit of either block path.
+        ("auto", torch.float32, VNNI, 32, CpuMatmuls(True, 32, None)),
+        ("auto", torch.float32, VNNI, 0, CpuMatmuls(True, 0, None)),
+        ("float32", torch.float32, VNNI, 4, CpuMatmuls(False, 4, None)),
+        # Exact blocks for --dtype float32; none for a reduced-precision model,
+        # whatever --cpu-block-rows says.
+        ("float32", torch.float32, VNNI, None, EXACT_PLAN),
+        ("auto", torch.bfloat16, VNNI | {"avx512_bf16"}, None, NO_BLOCKS),
+        ("bfloat16", torch.bfloat16, VNNI, 64, NO_BLOCKS),
     ],
 )
-def test_cpu_matmul_plan(requested, dtype, flags, env, want):
-    assert plan_cpu_matmuls(requested, dtype, flags, env) == want
+def test_cpu_matmul_plan(requested, dtype, flags, block_rows, want):
+    assert plan_cpu_matmuls(requested, dtype, flags, block_rows) == want
 
 
 def test_cpu_matmul_plan_says_where_the_blocks_stop():
@@ -236,26 +240,30 @@ def test_cpu_matmul_plan_says_where_the_blocks_stop():
 
 
 @pytest.mark.parametrize(
-    "dtype,plan,env,want",
+    "dtype,plan,requested,device,want",
     [
-        (torch.float32, INT8_PLAN, {}, torch.bfloat16),  # --dtype auto on GGUF blocks
-        (torch.float32, EXACT_PLAN, {}, torch.float32),  # --dtype float32: exact
-        (torch.float32, NO_BLOCKS, {}, torch.float32),  # no GGUF blocks: the float32 model as it is
-        (torch.bfloat16, NO_BLOCKS, {}, torch.bfloat16),
-        (torch.float32, None, {}, torch.float32),  # unpacked weights / CUDA
-        (torch.float16, None, {}, torch.float16),
-        (torch.float32, INT8_PLAN, {"SLUICE_KV_CACHE_DTYPE": "float32"}, torch.float32),
-        (torch.float32, EXACT_PLAN, {"SLUICE_KV_CACHE_DTYPE": "bfloat16"}, torch.bfloat16),
-        (torch.float16, None, {"SLUICE_KV_CACHE_DTYPE": "bfloat16"}, torch.float16),  # CPU only
+        (torch.float32, INT8_PLAN, "auto", "cpu", torch.bfloat16),  # --dtype auto on GGUF blocks
+        (torch.float32, EXACT_PLAN, "auto", "cpu", torch.float32),  # --dtype float32: exact
+        (torch.float32, NO_BLOCKS, "auto", "cpu", torch.float32),  # no GGUF blocks: the float32 model as it is
+        (torch.bfloat16, NO_BLOCKS, "auto", "cpu", torch.bfloat16),
+        (torch.float32, None, "auto", "cpu", torch.float32),  # unpacked weights
+        (torch.float16, None, "auto", "cuda", torch.float16),
+        # --kv-cache-dtype: any of the two on CPU; on CUDA only the model's.
+        (torch.float32, INT8_PLAN, "float32", "cpu", torch.float32),
+        (torch.float32, EXACT_PLAN, "bfloat16", "cpu", torch.bfloat16),
+        (torch.bfloat16, NO_BLOCKS, "float32", "cpu", torch.float32),
+        (torch.bfloat16, None, "bfloat16", "cuda", torch.bfloat16),
     ],
 )
-def test_kv_cache_dtype(dtype, plan, env, want):
-    assert choose_kv_dtype(dtype, plan, env) == want
+def test_kv_cache_dtype(dtype, plan, requested, device, want):
+    assert choose_kv_dtype(dtype, plan, requested, device) == want
 
 
-def test_kv_cache_dtype_override_names_the_choices():
-    with pytest.raises(ValueError, match="SLUICE_KV_CACHE_DTYPE='fp8' is not float32 or bfloat16"):
-        choose_kv_dtype(torch.float32, INT8_PLAN, {"SLUICE_KV_CACHE_DTYPE": "fp8"})
+def test_kv_cache_dtype_refusals_name_the_choices():
+    with pytest.raises(ValueError, match="--kv-cache-dtype 'fp8' is not one of auto, float32, bfloat16"):
+        choose_kv_dtype(torch.float32, INT8_PLAN, "fp8")
+    with pytest.raises(ValueError, match=r"--kv-cache-dtype bfloat16: a cuda shard keeps its KV cache in the model's dtype \(float16\)"):
+        choose_kv_dtype(torch.float16, None, "bfloat16", "cuda")
 
 
 def test_unknown_dtype_names_the_choices():

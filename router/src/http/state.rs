@@ -34,6 +34,16 @@ pub struct Info {
     pub world_size: u32,
     pub prefix_caching: bool,
     pub attention_backend: String,
+    /// The shard's KV cache element type ("float32", "bfloat16", "float16").
+    pub kv_cache_dtype: String,
+    /// CPU shards: the arithmetic of the matrix multiplies (GGUF blocks with
+    /// int8 or exact activations, dense dtype); null on CUDA.
+    pub cpu_matmuls: Option<String>,
+    /// The C++ CPU kernels' instruction-set path ("avx512_vnni", "avx_vnni",
+    /// "avx2", "portable"), or "none" where the shards do not run them.
+    pub cpu_kernels: String,
+    /// Bytes of model weights one shard holds in memory, every form counted.
+    pub weight_bytes: u64,
     pub router: String,
     pub version: String,
     /// Dollars per hour (`--hourly-cost`); null when not configured.

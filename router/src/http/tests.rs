@@ -112,6 +112,10 @@ fn build_with_shard(setup: Setup) -> (Router, Arc<AppState>, FakeShardHandle) {
             world_size: 1,
             prefix_caching: true,
             attention_backend: "torch".into(),
+            kv_cache_dtype: "float32".into(),
+            cpu_matmuls: Some("dense float32 weights (oneDNN)".into()),
+            cpu_kernels: "portable".into(),
+            weight_bytes: 1 << 20,
             router: "sluice".into(),
             version: "test".into(),
             hourly_cost: setup.hourly_cost,
@@ -497,6 +501,12 @@ async fn info_models_tokenize_metrics_and_openapi() {
     let info: Value = serde_json::from_str(&info).unwrap();
     assert_eq!((info["model_id"].as_str(), info["router"].as_str(), info["max_best_of"].as_u64()), (Some("org/tiny"), Some("sluice"), Some(1)));
     assert!(info["hourly_cost"].is_null(), "no price configured: {info}");
+    // What the shard decided, as the shard's Info reported it.
+    assert_eq!(
+        (info["kv_cache_dtype"].as_str(), info["cpu_kernels"].as_str(), info["weight_bytes"].as_u64()),
+        (Some("float32"), Some("portable"), Some(1 << 20))
+    );
+    assert_eq!(info["cpu_matmuls"], "dense float32 weights (oneDNN)");
     let (_, _, models) = call(&app, "GET", "/v1/models", None).await;
     assert_eq!(serde_json::from_str::<Value>(&models).unwrap()["data"][0]["id"], "tiny");
     let (status, tokens) = post(&app, "/tokenize", json!({"inputs": "Hello"})).await;

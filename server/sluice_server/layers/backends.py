@@ -1,7 +1,8 @@
 """Chooses the attention backend (and with it the small ops) for a device.
 
     auto    triton on CUDA, torch on CPU
-    torch   `torch_attention.TorchAttention` (C++ kernels on CPU when they build)
+    torch   `torch_attention.TorchAttention` (the C++ kernels on CPU, when the
+            shard uses them: --cpu-kernels)
     triton  `triton_attention.TritonAttention`
 """
 
@@ -32,10 +33,12 @@ def resolve_backend_name(requested: str, device: torch.device) -> str:
     return requested
 
 
-def get_backend(device: torch.device, requested: str = "auto") -> AttentionBackend:
-    """The attention backend (and its small ops) for `device`; see resolve_backend_name."""
+def get_backend(device: torch.device, requested: str = "auto", cpu_kernels: bool = True) -> AttentionBackend:
+    """The attention backend (and its small ops) for `device`; see
+    resolve_backend_name. `cpu_kernels`: on CPU, the torch backend runs the
+    C++ kernels (where they load)."""
     if resolve_backend_name(requested, device) == "torch":
-        return TorchAttention(cpu_kernels=device.type == "cpu")
+        return TorchAttention(cpu_kernels=cpu_kernels and device.type == "cpu")
     try:
         from sluice_server.layers.triton_attention import TritonAttention
     except ImportError as e:

@@ -108,6 +108,25 @@ def pack_linear_weights(model: nn.Module, dtype: torch.dtype | None = None) -> i
     return sum(m.pack_for_cpu_(dtype) for m in model.modules() if hasattr(m, "pack_for_cpu_"))
 
 
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of `model`'s weights as it holds them: every parameter (tied
+    ones once; a packed layer's emptied dense weight counts nothing), the
+    oneDNN-packed copies and the GGUF blocks (`quantized`)."""
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        held = list(module.parameters(recurse=False))
+        held += [t for t in (getattr(module, "packed", None),) if isinstance(t, torch.Tensor)]
+        quantized = getattr(module, "quantized", None)
+        if quantized is not None:
+            held.append(quantized.data)
+        for tensor in held:
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                total += tensor.numel() * tensor.element_size()
+    return total
+
+
 def _check_shape(name: str, got, want) -> None:
     if tuple(got) != tuple(want):
         raise ValueError(f"{name}: checkpoint shape {tuple(got)} != expected {tuple(want)}")

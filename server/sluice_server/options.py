@@ -1,0 +1,37 @@
+"""The shard's settings beyond the model and the socket: one typed value,
+built from `sluice-server serve`'s arguments (which the launcher passes on)
+and checked once, at start. Nothing here is read from the environment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+CPU_KERNEL_MODES = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class ShardOptions:
+    """The shard's knobs that change its outputs, memory or speed beyond
+    --dtype (`sluice-server serve` flags, which the launcher passes on),
+    checked once when built. What each decided shows in Info and the log."""
+
+    # --kv-cache-dtype: the KV cache's element type; auto picks it by path
+    # (choose_kv_dtype).
+    kv_cache_dtype: str = "auto"
+    # --cpu-kernels: auto uses the C++ CPU kernels where they build (plain
+    # torch without a compiler); on refuses to start without them; off never
+    # loads them.
+    cpu_kernels: str = "auto"
+    # --cpu-block-rows: matmuls of at most this many rows run on a GGUF's
+    # blocks (0: never); None: the CPU's own limit (cpu_matmuls).
+    cpu_block_rows: int | None = None
+
+    def __post_init__(self):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.cpu_kernels not in CPU_KERNEL_MODES:
+            raise ValueError(f"--cpu-kernels {self.cpu_kernels!r} is not one of {', '.join(CPU_KERNEL_MODES)}")
+        if self.cpu_block_rows is not None and self.cpu_block_rows < 0:
+            raise ValueError(f"--cpu-block-rows must be >= 0, got {self.cpu_block_rows}")
