@@ -3,7 +3,13 @@ on the bundled SmolLM2 (the model with GGUF blocks): the same kernels in the
 same order, so logits and the KV written must be bitwise equal, with int8
 activations and a bfloat16 KV cache (--dtype auto) and with the exact block
 expansion and a float32 cache (float32), for decode steps of one and of
-several sequences."""
+several sequences.
+
+This is the check that keeps the two together: the Python model
+(models/llama.py) is the one definition of the math, and the C++ decoder
+must reproduce it bit for bit. Each comparison counts the steps the decoder
+ran (`LlamaCpuDecoder.steps`), so a step that quietly fell back to the
+Python forward cannot pass as the decoder's."""
 
 from __future__ import annotations
 
@@ -17,6 +23,13 @@ from sluice_server.model_runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="the CPU kernels did not build")
 
+# The per-row bound between the decoder's draft rows and the Python
+# multi-token step under --dtype auto (see the test below): each path's rows
+# are within about 13% of float32's, so the two may differ by up to their
+# sum; the worst row measured was 0.139 (the third prompt's second draft, a
+# Sapphire Rapids VM without AMX; 0.077 pooled over a prompt on another host).
+ROW_BOUND_AUTO = 0.25
+
 
 @pytest.fixture(scope="module", params=["auto", "float32"])
 def runner(request, smollm2_dir):
@@ -26,18 +39,21 @@ def runner(request, smollm2_dir):
 def decode_twice(runner: ModelRunner, use_decoder: bool, prompts: list[list[int]]):
     """Prefills the prompts (Python path), then runs two decode steps of all
     of them with or without the C++ decoder; returns the decode logits and
-    the KV cache."""
+    the KV cache, having checked which path each step took."""
     decoder = runner.cpu_decoder
     driver = Driver(runner, num_blocks=64, seed=3)
     states = [driver.request(i, p + [7, 9]) for i, p in enumerate(prompts)]
+    prefilled = decoder.steps
     for s, p in zip(states, prompts):
         driver.step([(s, len(p))])
+    assert decoder.steps == prefilled, "prefill steps run the model's forward"
     runner.cpu_decoder = decoder if use_decoder else None
     try:
         driver.step([(s, 1) for s in states])
         driver.step([(s, 1) for s in states])
     finally:
         runner.cpu_decoder = decoder
+    assert decoder.steps - prefilled == (2 if use_decoder else 0), "both decode steps ran on the C++ decoder"
     logits = [driver.computed(s.id, len(p), len(p) + 2) for s, p in zip(states, prompts)]
     return logits, runner.kv_cache
 
@@ -90,14 +106,15 @@ def verify_step(runner: ModelRunner, use_decoder: bool, prompts: list[list[int]]
     for s, p in zip(states, prompts):
         driver.step([(s, len(p) - 1)])
     runner.cpu_decoder = decoder if use_decoder else None
+    before = decoder.steps
     try:
         work = [Work(s, len(p) - 1, 1, s.block_ids, d) for s, p, d in zip(states, prompts, drafts)]
         batch = runner.build_batch(work)
-        assert use_decoder is False or runner.decoder_takes(batch)
         batch.logits_indices = torch.arange(batch.input_ids.numel())
         logits = runner.execute(batch)
     finally:
         runner.cpu_decoder = decoder
+    assert decoder.steps - before == (1 if use_decoder else 0), "the verification step ran on the C++ decoder"
     rows, first = {}, 0
     for w in batch.work:
         rows[w.state.id] = logits[first : first + w.query_len]
@@ -120,8 +137,10 @@ def test_draft_verification_runs_on_the_cpu_decoder(runner, request):
     states = [driver.request(i, t) for i, t in enumerate(sequential)]
     for s, p in zip(states, prompts):
         driver.step([(s, len(p) - 1)])
+    before = runner.cpu_decoder.steps
     for j in range(max(map(len, drafts)) + 1):
         driver.step([(s, 1) for s, d in zip(states, drafts) if j <= len(d)])
+    assert runner.cpu_decoder.steps - before == max(map(len, drafts)) + 1, "every decode step on the decoder"
     for s, p, d, g in zip(states, prompts, drafts, got):
         assert torch.equal(driver.computed(s.id, len(p) - 1, len(p) + len(d)), g)
 
@@ -133,7 +152,13 @@ def test_draft_verification_runs_on_the_cpu_decoder(runner, request):
     # layers. On the third prompt (two tokens, then 800 and four 7s) each
     # path is 10-13% from float32's logits and 5-8% from the other (AVX-512
     # hosts with and without AMX), with the same top token at every row.
-    # The decoder's exactness is checked above.
-    bound = 1e-4 if request.node.callspec.params["runner"] == "float32" else 0.15
-    for g, w in zip(got, want):
-        assert ((g - w).norm() / w.norm()).item() < bound
+    # Checked row by row (a pooled norm lets one bad row hide among good
+    # ones): every row's top token, and every row's relative error, the
+    # worst one reported. The decoder's exactness is checked above.
+    bound = 1e-4 if request.node.callspec.params["runner"] == "float32" else ROW_BOUND_AUTO
+    rows = torch.cat(got), torch.cat(want)
+    errors = (rows[0] - rows[1]).norm(dim=-1) / rows[1].norm(dim=-1)
+    worst = int(errors.argmax())
+    flipped = (rows[0].argmax(-1) != rows[1].argmax(-1)).nonzero().flatten().tolist()
+    assert not flipped, f"rows whose top token differs between the decoder and the Python step: {flipped}"
+    assert errors[worst] < bound, f"row {worst} of {len(errors)}: relative error {errors[worst]:.4f} >= {bound}"

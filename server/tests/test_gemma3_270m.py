@@ -42,6 +42,38 @@ def test_conversion(gemma3_dir):
     assert runner.vocab_size == 262144 and runner.eos_token_ids == [1]
 
 
+def test_config_is_the_gguf_metadata(gemma3_dir, gemma3_gguf):
+    """The converted config.json, written by transformers' GGUF reader and
+    read by the shard and by transformers (the greedy oracle below), says
+    what the file's metadata says, read here with the gguf package alone,
+    and follows llama.cpp's Gemma 3 conventions the file does not record:
+    local layers rotate with base 10000, every sixth layer is global,
+    queries are scaled by head_dim^-0.5. A misread config cannot hide behind
+    both sides reading it."""
+    import gguf
+
+    fields = gguf.GGUFReader(str(gemma3_gguf)).fields
+
+    def meta(key: str):
+        return fields[f"gemma3.{key}"].contents()
+
+    config = json.loads((gemma3_dir / "config.json").read_text())
+    assert (config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]) == (
+        meta("embedding_length"), meta("feed_forward_length"), meta("block_count"))
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (
+        meta("attention.head_count"), meta("attention.head_count_kv"), meta("attention.key_length"))
+    assert config["rms_norm_eps"] == pytest.approx(meta("attention.layer_norm_rms_epsilon"), rel=1e-6)
+    assert (config["sliding_window"], config["max_position_embeddings"]) == (
+        meta("attention.sliding_window"), meta("context_length"))
+    rope = config["rope_parameters"]
+    assert rope["full_attention"]["rope_theta"] == meta("rope.freq_base")
+    assert rope["sliding_attention"]["rope_theta"] == 10000.0
+    assert config["layer_types"] == [
+        "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(config["num_hidden_layers"])
+    ]
+    assert config["query_pre_attn_scalar"] == config["head_dim"]
+
+
 def test_dequantized_weights_equal_the_gguf_package(gemma3_dir, gemma3_gguf):
     """Every tensor of the converted folder is the gguf package's expansion of
     the file's blocks (Q4_K, Q6_K, Q5_0 and Q8_0 here), bit for bit; the

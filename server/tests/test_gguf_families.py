@@ -1,13 +1,19 @@
-"""Tiny GGUF files of the architectures the new families serve (qwen3, phi3,
-gemma3), every weight in K-quant or Q8_0 blocks, as a user would download
-them: the conversion maps each architecture to its family, the converted
-weights are the gguf package's expansion of the blocks bit for bit (Q4_K,
-Q5_K and Q6_K, the types of Q4_K_M/Q5_K_M files, and Q8_0), and the shard's
-logits equal transformers reading the GGUF itself.
+"""Tiny GGUF files of the architectures the families serve (llama, qwen3,
+phi3, gemma3), every weight in K-quant or Q8_0 blocks, as a user would
+download them: the conversion maps each architecture to its family, the
+converted weights are the model's own weights bit for bit, and the shard's
+logits equal transformers' on those weights.
 
-The blocks are random but valid (their fp16 scales set to 2^-12, so weights
-stay small); names and metadata follow llama.cpp's conventions (the gguf
-package's tensor-name map), with a byte-level BPE vocabulary."""
+The oracle is independent of the code under test, which reads a GGUF
+through transformers' GGUF loader: each file is written here, with the gguf
+package, from a tiny random transformers model, the way llama.cpp's
+converter lays a checkpoint out (its tensor names and metadata, q/k rows
+permuted for llama's rotary layout, Gemma's norms stored as 1 + w). Every
+matrix is random but valid blocks (Q4_K, Q5_K and Q6_K, the types of
+Q4_K_M/Q5_K_M files, and Q8_0; fp16 scales 2^-12, so weights stay small),
+and the model's weight is set to what those blocks stand for (the gguf
+package's expansion), so nothing is lost to quantization. The reference is
+transformers loading that model from its safetensors, never the GGUF."""
 
 from __future__ import annotations
 
@@ -20,7 +26,6 @@ import torch
 
 from sluice_server.download import resolve_model
 from sluice_server.gguf_convert import GGUF_ARCHITECTURES
-from sluice_server.gguf_header import read_header, tensor_bytes
 from sluice_server.model_runner import ModelRunner
 
 from conftest import Driver, make_tiny_model
@@ -31,6 +36,7 @@ SIZES = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_at
 # arch -> (tiny model kind, its size overrides). Qwen3's GGUF metadata has no
 # head_dim, which transformers then takes as 128.
 ARCHS = {
+    "llama": ("llama", dict()),
     "qwen3": ("qwen3", dict(head_dim=128, use_sliding_window=False)),
     "phi3": ("phi3", dict(partial_rotary_factor=1.0, rope_scaling=None, sliding_window=None)),
     "gemma3": ("gemma3", dict(head_dim=128, final_logit_softcapping=None, rope_parameters=None, layer_types=None,
@@ -66,12 +72,27 @@ def random_blocks(rows: int, cols: int, type_name: str, rng: np.random.Generator
     return raw.reshape(rows, -1)
 
 
-def write_gguf(path: Path, arch: str, hf_folder: Path) -> dict[str, str]:
-    """The GGUF twin of the tiny model in `hf_folder` (its names and shapes;
-    matrices as random blocks, vectors as they are). Returns the block type
-    of each quantized tensor."""
+def llama_cpp_rows(rows: int, heads: int) -> np.ndarray:
+    """The order llama.cpp's converter writes a llama q or k projection's rows
+    in (its rotary layout): within each head, the first half's rows and the
+    second half's interleaved. GGUF row i is the checkpoint's row order[i]."""
+    return np.arange(rows).reshape(heads, 2, rows // heads // 2).swapaxes(1, 2).reshape(rows)
+
+
+def rope_theta(config: dict) -> float:
+    """The (global layers') rotary base of a transformers config.json."""
+    params = config.get("rope_parameters") or {}
+    params = params.get("full_attention", params)
+    return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+
+
+def write_gguf(path: Path, arch: str, hf_folder: Path, oracle_folder: Path) -> dict[str, str]:
+    """The GGUF llama.cpp's converter would write for the tiny model in
+    `hf_folder`, its matrices random blocks, and in `oracle_folder` that
+    model with the weights the file stands for (the reference). Returns the
+    block type of each quantized tensor."""
     import gguf
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file, save_file
 
     config = json.loads((hf_folder / "config.json").read_text())
     layers = config["num_hidden_layers"]
@@ -84,12 +105,12 @@ def write_gguf(path: Path, arch: str, hf_folder: Path) -> dict[str, str]:
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(rope_theta(config))
     if arch == "gemma3":
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
-        writer.add_sliding_window(8)
+        writer.add_sliding_window(config["sliding_window"])
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
@@ -100,21 +121,36 @@ def write_gguf(path: Path, arch: str, hf_folder: Path) -> dict[str, str]:
     writer.add_pad_token_id(len(tokens) - 1)  # else Phi-3's default, 32000, is past this vocabulary
     rng = np.random.default_rng(0)
     types: dict[str, str] = {}
-    for i, (name, tensor) in enumerate(sorted(load_file(str(hf_folder / "model.safetensors")).items())):
+    weights = load_file(str(hf_folder / "model.safetensors"))
+    for i, (name, tensor) in enumerate(sorted(weights.items())):
         stem, suffix = name.rsplit(".", 1)
         gguf_name = f"{names.get_name(stem)}.{suffix}"
         if tensor.dim() == 1:
+            if arch == "gemma3" and stem.endswith("norm"):
+                # llama.cpp stores Gemma's norms as 1 + w; w is chosen so
+                # that 1 + w - 1 is w exactly in float32.
+                stored = tensor + 1.0
+                weights[name] = stored - 1.0
+                tensor = stored
             writer.add_tensor(gguf_name, tensor.numpy())
             continue
         type_name = "Q8_0" if stem.endswith("embed_tokens") else BLOCK_TYPES[i % len(BLOCK_TYPES)]
         rows, cols = tensor.shape
         blocks = random_blocks(rows, cols, type_name, rng)
-        writer.add_tensor(gguf_name, blocks, raw_dtype=gguf.GGMLQuantizationType[type_name])
+        qtype = gguf.GGMLQuantizationType[type_name]
+        weights[name] = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).reshape(rows, cols).copy())
+        if arch == "llama" and stem.endswith(("q_proj", "k_proj")):
+            heads = config["num_attention_heads" if stem.endswith("q_proj") else "num_key_value_heads"]
+            blocks = blocks[llama_cpp_rows(rows, heads)]
+        writer.add_tensor(gguf_name, blocks, raw_dtype=qtype)
         types[gguf_name] = type_name
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    oracle_folder.mkdir(parents=True)
+    (oracle_folder / "config.json").write_text((hf_folder / "config.json").read_text())
+    save_file(weights, str(oracle_folder / "model.safetensors"), metadata={"format": "pt"})
     return types
 
 
@@ -125,8 +161,8 @@ def converted(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(arch)
     hf = make_tiny_model(tmp / "hf", kind, **dict(SIZES, vocab_size=len(vocabulary()[0]), **overrides))
     gguf_path = tmp / f"tiny-{arch}.gguf"
-    types = write_gguf(gguf_path, arch, hf)
-    return arch, gguf_path, types, resolve_model(str(gguf_path), cache_dir=str(tmp / "cache"))
+    types = write_gguf(gguf_path, arch, hf, tmp / "oracle")
+    return arch, tmp / "oracle", types, resolve_model(str(gguf_path), cache_dir=str(tmp / "cache"))
 
 
 def test_architecture_maps_to_its_family(converted):
@@ -134,39 +170,28 @@ def test_architecture_maps_to_its_family(converted):
     assert json.loads((folder / "config.json").read_text())["model_type"] == GGUF_ARCHITECTURES[arch]
 
 
-def test_blocks_expand_as_the_gguf_package_does(converted):
-    """Each quantized tensor of the file is, in the converted folder, exactly
-    gguf.quants.dequantize of its blocks (Phi-3's fused tensors stay fused)."""
-    import gguf
+def test_converted_weights_are_the_models(converted):
+    """Every tensor of the converted folder is the model's own, bit for bit:
+    the gguf package's expansion of the blocks, llama's q/k rows back in the
+    checkpoint's order, Gemma's norms back from 1 + w (Phi-3's fused tensors
+    stay fused)."""
     from safetensors import safe_open
 
-    arch, gguf_path, types, folder = converted
-    by_name = {t.name: t for t in read_header(gguf_path).tensors}
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], SIZES["num_hidden_layers"])
-    seen = set()
-    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
-        for key in f.keys():
-            stem, suffix = key.rsplit(".", 1)
-            gguf_name = f"{names.get_name(stem)}.{suffix}"
-            if gguf_name not in types:
-                continue
-            tensor = by_name[gguf_name]
-            want = gguf.quants.dequantize(np.array(tensor_bytes(gguf_path, tensor)), gguf.GGMLQuantizationType[tensor.type_name])
-            assert torch.equal(f.get_tensor(key), torch.from_numpy(want)), key
-            seen.add(tensor.type_name)
-    assert seen == set(BLOCK_TYPES)
+    _, oracle, types, folder = converted
+    with safe_open(str(oracle / "model.safetensors"), framework="pt") as want, \
+            safe_open(str(folder / "model.safetensors"), framework="pt") as got:
+        assert set(got.keys()) == set(want.keys())
+        for key in want.keys():
+            assert torch.equal(got.get_tensor(key), want.get_tensor(key)), key
+    assert set(types.values()) == set(BLOCK_TYPES)
 
 
-def test_logits_equal_transformers_reading_the_gguf(converted):
+def test_logits_equal_transformers_on_the_models_weights(converted):
     from transformers import AutoModelForCausalLM
 
-    from sluice_server.gguf_convert import _dequantize_option
-
-    _, gguf_path, _, folder = converted
+    _, oracle, _, folder = converted
     tokens = torch.randint(0, VOCAB_BYTES, (20,), generator=torch.Generator().manual_seed(1)).tolist()
-    reference = AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32, **_dequantize_option()
-    )
+    reference = AutoModelForCausalLM.from_pretrained(str(oracle), dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         want = reference(torch.tensor([tokens])).logits[0]
     runner = ModelRunner(folder, dtype="float32", block_size=4)
@@ -182,11 +207,14 @@ def test_decodes_run_on_the_k_quant_blocks(converted):
     """--dtype auto: every layer whose GGUF tensors are all in types the int8
     kernel reads (all here: Q4_K, Q5_K, Q6_K, Q8_0) multiplies on its blocks,
     and the logits stay those of the float32 weights up to the int8 rounding
-    of the activations."""
+    of the activations: about 0.5% per matmul, which these random models
+    amplify differently (measured: qwen3 0.002, phi3 0.001, gemma3 0.016,
+    llama 0.10, whose peaked attention, with no q/k norms and rotary on
+    every dimension, magnifies it most). Llama's run on the C++ decoder."""
     from sluice_kernels import gguf_blocks
     from sluice_server.layers.gguf_weights import _pieces
 
-    _, _, types, folder = converted
+    arch, _, types, folder = converted
     tokens = torch.randint(0, VOCAB_BYTES, (12,), generator=torch.Generator().manual_seed(2)).tolist()
     logits = {}
     for dtype in ("float32", "auto"):
@@ -203,5 +231,6 @@ def test_decodes_run_on_the_k_quant_blocks(converted):
     assert attached == readable
     k_quants = {types[n] for m, names in pieces if m in attached for n in names} - {"Q8_0"}
     assert k_quants, "no K-quant layer ran on its blocks"
+    assert (runner.cpu_decoder is not None) == (arch == "llama")
     rel = (logits["auto"] - logits["float32"]).norm() / logits["float32"].norm()
-    assert rel < 0.05, rel
+    assert rel < (0.15 if arch == "llama" else 0.05), rel

@@ -80,6 +80,10 @@ def _match_rows(have: np.ndarray, want: torch.Tensor) -> np.ndarray | None:
     want = want.numpy()
     if np.array_equal(have, want):
         return np.arange(len(want))
+    # Rows are keyed by their bytes, with -0.0 made +0.0 (adding 0.0 does):
+    # the two are the same weight, but the gguf package expands a Q6_K zero
+    # as d * sc * 0, negative where d * sc is, and the records as +0.0.
+    have, want = have + 0.0, want + 0.0
     index = {have[i].tobytes(): i for i in range(len(have))}
     try:
         return np.array([index[want[j].tobytes()] for j in range(len(want))])
