@@ -196,6 +196,8 @@ def verify_drafts(draft: list[int], draws: list[sampling.SampledToken]) -> list[
 class WarmupResult:
     num_blocks: int
     kv_cache_bytes: int
+    # Later steps may still compile kernels (see WarmupResponse in the proto).
+    compilation_pending: bool
 
 
 class ModelRunner:
@@ -486,7 +488,9 @@ class ModelRunner:
             "KV cache: %d blocks of %d tokens, %s (%.1f MiB)",
             num_blocks, self.block_size, str(self.kv_dtype).removeprefix("torch."), cache.nbytes / 2**20,
         )
-        return WarmupResult(num_blocks=num_blocks, kv_cache_bytes=cache.nbytes)
+        return WarmupResult(
+            num_blocks=num_blocks, kv_cache_bytes=cache.nbytes, compilation_pending=self.backend.compiles_lazily
+        )
 
     def forward_probe(self) -> None:
         """One token through the whole model in a one-block scratch cache."""

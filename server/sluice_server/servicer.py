@@ -97,7 +97,11 @@ class Shard:
         result = self.runner.warmup(
             req.max_batch_prefill_tokens, req.max_batch_size, req.max_total_tokens, self.kv_cache_bytes
         )
-        return shard_pb2.WarmupResponse(num_blocks=result.num_blocks, kv_cache_bytes=result.kv_cache_bytes)
+        return shard_pb2.WarmupResponse(
+            num_blocks=result.num_blocks,
+            kv_cache_bytes=result.kv_cache_bytes,
+            compilation_pending=result.compilation_pending,
+        )
 
     def clear(self) -> None:
         self.requests.clear()

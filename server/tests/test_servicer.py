@@ -245,6 +245,23 @@ def test_warmup_sizes_cache_from_kv_cache_bytes(model_dir):
         shard.warmup(shard_pb2.WarmupRequest(max_batch_prefill_tokens=40, max_batch_size=4, max_total_tokens=32))
 
 
+def test_warmup_says_whether_kernels_may_still_compile(model_dir, monkeypatch):
+    """The router gives the first steps its longer deadline only when the
+    shard says compilation is pending: never on CPU (the C++ kernels are built
+    before warmup), while Triton may still JIT a kernel for a new shape."""
+    from sluice_server.layers.triton_attention import TritonAttention
+    from sluice_server.model_runner import ModelRunner
+    from sluice_server.servicer import Shard
+
+    shard = Shard(ModelRunner(model_dir, block_size=BLOCK), urls=[], kv_cache_bytes=1 << 20)
+    warm = shard.warmup(shard_pb2.WarmupRequest(max_batch_prefill_tokens=40, max_batch_size=4, max_total_tokens=32))
+    assert warm.compilation_pending is False
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert TritonAttention().compiles_lazily
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not TritonAttention().compiles_lazily
+
+
 def test_cpu_shards_of_one_host_share_one_kv_budget(model_dir, monkeypatch):
     """Without --kv-cache-bytes the shards of a host split 30% of MemAvailable
     (they warm up at once and would each see the same free memory)."""

@@ -101,6 +101,10 @@ class AttentionBackend(ABC):
 
     name: str
     ops: TorchOps
+    # True when the backend compiles a kernel the first time it meets a new
+    # specialization (Triton's JIT): steps after warmup may then stall on
+    # compilation, and the shard says so in its WarmupResponse.
+    compiles_lazily: bool = False
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Called once per step before the layers run; may fill meta.backend_state."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from sluice_kernels.ops import TritonOps
+from sluice_kernels.triton import triton_interpreting
 from sluice_kernels.triton.paged_attention import AttentionPlan, paged_attention, plan_attention
 from sluice_kernels.triton.reshape_and_cache import reshape_and_cache
 from sluice_server.layers.attention import GLOBAL_ATTENTION, AttentionBackend, AttentionMetadata
@@ -28,6 +29,9 @@ class TritonAttention(AttentionBackend):
         self.num_splits = num_splits
         self.prefill_block_m = prefill_block_m
         self.ops = TritonOps()
+        # Triton compiles per specialization on first launch; its CPU
+        # interpreter (tests) compiles nothing.
+        self.compiles_lazily = not triton_interpreting()
 
     def prepare(self, meta: AttentionMetadata) -> None:
         meta.backend_state["triton_plans"] = {}
