@@ -342,36 +342,107 @@ def read_stream_after(server: Launcher, body: dict, after: int, fault) -> tuple[
             assert resp.status_code == 200, resp.read()
             for line in resp.iter_lines():
                 lines.append(line)
-                events += line.startswith("data:")
-                if events == after:
-                    fault()
+                if line.startswith("data:"):
+                    events += 1
+                    if events == after:
+                        fault()
     except httpx.TransportError as e:
         lines.append(f"transport error: {e!r}")
     return events, lines
 
 
-def test_stopped_shard_fails_in_flight_requests_at_the_step_deadline(tiny_model_dir, tmp_path):
-    """7: a shard stopped with SIGSTOP answers no step. At --step-timeout the
-    stream in flight ends with an error saying so, the router exits non-zero
-    and the launcher stops everything (an orchestrator then restarts it),
-    instead of holding every request and slot forever."""
-    server = start_launcher("--model-id", str(tiny_model_dir), "--step-timeout", "5", tmp=tmp_path,
-                            env={"SLUICE_FIRST_STEPS_TIMEOUT": "5"})
+STEP_TIMEOUT_S = 10
+# From the SIGSTOP to the stream's error event: the step deadline, plus the
+# step that was in flight when the shard stopped, plus slack.
+STUCK_STREAM_BOUND_S = 15
+
+
+def stream_tgi_until_error(server: Launcher, after: int, fault) -> tuple[str, float]:
+    """TGI's /generate_stream; calls `fault()` after `after` tokens. Returns
+    the error event's message and when it came (time.monotonic())."""
+    body = {"inputs": "The sea", "parameters": {"max_new_tokens": 1500, "ignore_eos": True}}
+    events, lines = read_stream_after(server, body, after, fault)
+    assert after <= events < 1500, lines[-3:]
+    last = json.loads([line for line in lines if line.startswith("data:")][-1].removeprefix("data:"))
+    assert last["error_type"] == "unhealthy", last
+    return last["error"], time.monotonic()
+
+
+def stream_openai_until_error(server: Launcher, after: int, fault) -> tuple[str, float]:
+    """The `openai` client's chat stream; calls `fault()` after `after`
+    chunks. The client raises the stream's error event as an APIError."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0,
+                           timeout=FAULT_BOUND_S)
+    stream = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "The sea"}], max_tokens=1500, stream=True,
+        extra_body={"ignore_eos": True})
+    chunks = 0
+    with pytest.raises(openai.APIError) as raised:
+        for _ in stream:
+            chunks += 1
+            if chunks == after:
+                fault()
+            assert chunks < 1500, "the stream went on after its shard stopped"
+    assert chunks >= after
+    assert raised.value.body["code"] == "server_restarting", raised.value.body
+    return raised.value.message, time.monotonic()
+
+
+def liveness(server: Launcher) -> int | None:
+    """/health's status; None when the router no longer answers."""
+    try:
+        return httpx.get(f"{server.base_url}/health", timeout=5).status_code
+    except httpx.TransportError:
+        return None
+
+
+@pytest.mark.parametrize("after, stream", [(1, stream_tgi_until_error), (100, stream_openai_until_error)],
+                         ids=["right-after-start", "after-100-steps"])
+def test_stopped_shard_ends_streams_on_time_and_the_server(tiny_model_dir, tmp_path, after, stream):
+    """7 (issue 40): a shard stopped with SIGSTOP answers no step. Whether it
+    stops in the first steps after warmup (on CPU nothing compiles then, so
+    --first-steps-timeout does not apply) or after 100: within
+    --step-timeout the stream ends with an error event saying so, a
+    buffered request waiting behind it gets 503, /health fails, and the
+    launcher stops every child (the stopped shard too) and exits non-zero,
+    instead of holding every request and slot until the shard resumes."""
+    server = start_launcher("--model-id", str(tiny_model_dir), "--served-model-name", "tiny",
+                            "--step-timeout", str(STEP_TIMEOUT_S), tmp=tmp_path)
     (shard,) = shard_pids(server)
     try:
         descendants = server.children()
-        body = {"inputs": "The sea", "parameters": {"max_new_tokens": 1500, "ignore_eos": True}}
-        events, lines = read_stream_after(server, body, 3, lambda: os.kill(shard, signal.SIGSTOP))
-        assert events >= 3 and events < 1500, lines[-3:]
-        assert any("did not finish a step within 5s" in line for line in lines), lines[-3:]
+        assert liveness(server) == 200
+        buffered: list[httpx.Response] = []
+        waiter = threading.Thread(target=lambda: buffered.append(httpx.post(
+            f"{server.base_url}/generate", json={"inputs": "A cat", "parameters": {"max_new_tokens": 5}},
+            timeout=FAULT_BOUND_S)))
+        stopped_at = []
+
+        def stop_the_shard() -> None:
+            os.kill(shard, signal.SIGSTOP)
+            stopped_at.append(time.monotonic())
+            waiter.start()
+
+        message, ended_at = stream(server, after, stop_the_shard)
+        assert f"did not finish a step within {STEP_TIMEOUT_S}s" in message, message
+        assert ended_at - stopped_at[0] < STUCK_STREAM_BOUND_S, ended_at - stopped_at[0]
+        assert liveness(server) != 200
+        waiter.join(FAULT_BOUND_S)
+        assert buffered and buffered[0].status_code == 503, buffered and buffered[0].text
+        assert buffered[0].json()["error_type"] == "unhealthy", buffered[0].text
         assert wait_exit(server, FAULT_BOUND_S) != 0
         assert wait_gone(descendants) == [], server.output()
-        assert "did not finish a step" in server.output()
+        output = server.output()
+        assert "no kernel compiles after warmup" in output and "did not finish a step" in output, output
     finally:
-        try:
-            os.kill(shard, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
+        # Whatever happened above, no stopped shard is left behind.
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(shard, sig)
+            except ProcessLookupError:
+                pass
         server.stop()
 
 

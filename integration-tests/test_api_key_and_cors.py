@@ -1,13 +1,15 @@
-"""--api-key and --cors-allow-origin against the real launcher (tiny model).
+"""--api-key, --metrics-auth and --cors-allow-origin against the real launcher (tiny model).
 
-Every route but the probes (/health, /ready) and /metrics needs `Authorization: Bearer
-KEY`; the scheme is case-insensitive (RFC 9110 section 11.1), the key is not.
+Every route but the probes (/health, /ready) and /metrics (unless --metrics-auth)
+needs `Authorization: Bearer KEY`; the scheme is case-insensitive (RFC 9110
+section 11.1), the key is not.
 CORS preflights are answered for the allowed origin only, without the key
 (browsers never send credentials on a preflight).
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import httpx
@@ -156,3 +158,33 @@ def test_any_origin_and_a_bad_one(tiny_model_dir, tmp_path):
                               "--cors-allow-origin", "not an origin", "--dry-run"],
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "is not an origin" in refused.stderr, refused.stderr
+
+
+@pytest.fixture(scope="module")
+def metrics_guarded(tiny_model_dir, tmp_path_factory):
+    """--metrics-auth through its environment variable, the key through API_KEY."""
+    launched = start_launcher("--model-id", str(tiny_model_dir), tmp=tmp_path_factory.mktemp("metrics-auth"),
+                              env={"API_KEY": KEY, "SLUICE_METRICS_AUTH": "true"})
+    yield launched
+    launched.stop()
+
+
+def test_metrics_auth_puts_metrics_behind_the_key(metrics_guarded):
+    """With --metrics-auth /metrics answers only with the key (the module's
+    other server, without it, serves /metrics to anyone: test_probes_need_no_key);
+    the probes stay open."""
+    url = f"{metrics_guarded.base_url}/metrics"
+    for headers in [{}, {"Authorization": "Bearer wrong-key"}, {"Authorization": KEY}]:
+        assert_unauthorized(httpx.get(url, headers=headers, timeout=30), "/metrics")
+    keyed = httpx.get(url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert keyed.status_code == 200 and "sluice_kv_cache_usage_ratio" in keyed.text, keyed.text
+    for path in ["/health", "/ready"]:
+        assert httpx.get(f"{metrics_guarded.base_url}{path}", timeout=30).status_code == 200, path
+
+
+def test_metrics_auth_without_a_key_is_refused_at_start(tiny_model_dir):
+    refused = subprocess.run([find_executable("sluice-launcher"), "--model-id", str(tiny_model_dir),
+                              "--metrics-auth", "--dry-run"],
+                             capture_output=True, text=True, timeout=60,
+                             env={k: v for k, v in os.environ.items() if k != "API_KEY"})
+    assert refused.returncode == 2 and "--api-key" in refused.stderr, refused.stderr

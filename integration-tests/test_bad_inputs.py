@@ -1,5 +1,7 @@
 """Bad input gets a 4xx naming the problem, and the server keeps serving."""
 
+import json
+
 import httpx
 import pytest
 
@@ -79,3 +81,44 @@ def test_tgi_error_shape(http):
     resp = http.post("/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 0}})
     body = resp.json()
     assert body["error"] and body["error_type"] == "validation"
+
+
+# The session launcher's --payload-limit (the default).
+PAYLOAD_LIMIT = 2_000_000
+
+
+def says_the_limit(message: str) -> bool:
+    return f"limit of {PAYLOAD_LIMIT} bytes (--payload-limit)" in message
+
+
+def oversized(model) -> dict:
+    return chat(model, messages=[{"role": "user", "content": "x" * PAYLOAD_LIMIT}])
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/generate"])
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_an_oversized_body_is_413_naming_the_limit(http, model, path, chunked):
+    """Whether the body declares its length (refused unread) or arrives
+    chunked and grows past the limit, the 413 names the limit in bytes and
+    the flag, in the route's error shape."""
+    body = json.dumps({**oversized(model), "inputs": "hi"}).encode()
+    # A generator: httpx sends it chunked, with no Content-Length.
+    content = (body[i:i + 65536] for i in range(0, len(body), 65536)) if chunked else body
+    resp = http.post(path, content=content, headers={"content-type": "application/json"})
+    assert resp.status_code == 413, resp.text
+    if path.startswith("/v1/"):
+        error = resp.json()["error"]
+        assert error["code"] == "payload_too_large" and says_the_limit(error["message"]), resp.text
+    else:
+        body = resp.json()
+        assert body["error_type"] == "payload_too_large" and says_the_limit(body["error"]), resp.text
+
+
+def test_the_openai_client_reads_the_413(launcher, model):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{launcher.base_url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.APIStatusError) as raised:
+        client.chat.completions.create(**oversized(model))
+    assert raised.value.status_code == 413
+    assert says_the_limit(raised.value.message), raised.value.message

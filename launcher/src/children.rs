@@ -210,10 +210,14 @@ impl Children {
     /// SIGTERM to the process groups of the children `which` selects, then
     /// SIGKILL to those still alive after `grace`. Returns when all of them
     /// are gone; whatever they left behind in their groups is killed then.
+    /// SIGCONT follows the SIGTERM: a stopped child (SIGSTOP, a debugger, the
+    /// very shard whose stuck step ended the server) would otherwise hold
+    /// the signal pending for the whole grace.
     pub async fn stop(&self, which: impl Fn(&Child) -> bool, grace: Duration) {
         let selected: Vec<&Child> = self.children.iter().filter(|c| which(c)).collect();
         for child in &selected {
             child.signal(Signal::SIGTERM);
+            child.signal(Signal::SIGCONT);
         }
         let all_exited = wait_all(&selected);
         if tokio::time::timeout(grace, all_exited).await.is_err() {
@@ -241,5 +245,33 @@ impl Children {
 async fn wait_all(children: &[&Child]) {
     for child in children {
         child.wait().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::process::ExitStatusExt;
+    use std::time::Instant;
+
+    use super::*;
+
+    /// A stopped child still handles the SIGTERM of `stop` at once (its
+    /// trap runs) instead of sitting out the grace until SIGKILL.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_stopped_child_gets_its_sigterm() {
+        let mut children = Children::new(ChildLines { json: false });
+        let mut command = Command::new("sh");
+        command.args(["-c", "trap 'exit 3' TERM; echo up; while :; do sleep 0.05; done"]);
+        children.spawn("stopped", command).unwrap();
+        let child = children.get("stopped").unwrap();
+        while child.tail().is_empty() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        child.signal(Signal::SIGSTOP);
+        let started = Instant::now();
+        children.stop(|_| true, Duration::from_secs(60)).await;
+        assert!(started.elapsed() < Duration::from_secs(30), "waited {:?}", started.elapsed());
+        let exited = children.next_exit().await;
+        assert_eq!(exited.status.code(), Some(3), "{:?}", exited.status.signal());
     }
 }

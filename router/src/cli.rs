@@ -160,10 +160,13 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
     };
     let speculation = config.speculation().map_err(|e| e.to_string())?;
     tracing::info!(?limits, "warming up the shards");
-    let num_blocks = shards
+    let warmed = shards
         .warmup(limits.max_batch_prefill_tokens, limits.max_batch_size, limits.max_total_tokens)
         .await
         .map_err(|e| format!("Warmup failed: {e}"))?;
+    let num_blocks = warmed.num_blocks;
+    let step_deadline = config.step_deadline(warmed.compilation_pending);
+    log_step_deadline(&step_deadline);
     let kv_slots = num_blocks.saturating_mul(shard_info.block_size);
     let max_batch_total_tokens = config.serving.max_batch_total_tokens.map_or(kv_slots, |cap| cap.min(kv_slots));
     if max_batch_total_tokens < limits.max_total_tokens {
@@ -197,7 +200,7 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
         prefix_caching: config.serving.prefix_caching(),
         eos_token_ids: shard_info.eos_token_ids.clone(),
         metrics_window: config.cost_window(),
-        step_deadline: config.step_deadline(),
+        step_deadline,
         panic_at_step: config.scheduler_panic_at().map_err(|e| e.to_string())?,
         speculation: speculation.clone(),
         batch_min_share: config.serving.batch_min_share,
@@ -307,6 +310,22 @@ fn spawn_batch_runner(state: &Arc<AppState>, capacity: usize) {
         capacity,
     );
     tokio::spawn(runner.run());
+/// Which deadline the first steps get, and why: a longer one only while the
+/// shards may still compile kernels.
+fn log_step_deadline(deadline: &scheduler::StepDeadline) {
+    let steady_s = deadline.steady.as_secs();
+    match deadline.first_steps {
+        Some(first) => tracing::info!(
+            step_timeout_s = steady_s,
+            first_steps_timeout_s = first.max(deadline.steady).as_secs(),
+            "the shards may still compile kernels: the first {} steps get --first-steps-timeout, later ones --step-timeout",
+            scheduler::StepDeadline::FIRST_STEPS
+        ),
+        None => tracing::info!(
+            step_timeout_s = steady_s,
+            "no kernel compiles after warmup: every step gets --step-timeout from the first"
+        ),
+    }
 }
 
 async fn serve(config: &RouterConfig, Started { infer, state }: Started) -> Result<(), String> {
@@ -316,6 +335,7 @@ async fn serve(config: &RouterConfig, Started { infer, state }: Started) -> Resu
             payload_limit: config.serving.payload_limit,
             cors_allow_origin: config.serving.cors_allow_origin.clone(),
             web_ui: config.serving.web_ui(),
+            metrics_auth: config.serving.metrics_auth,
         },
     );
     let address = format!("{}:{}", config.serving.hostname, config.serving.port);

@@ -15,8 +15,17 @@ use tonic::transport::{Channel, Endpoint, Uri};
 use crate::pb::shard_client::ShardClient;
 use crate::pb::{
     ClearCacheRequest, HealthRequest, InfoRequest, InfoResponse, ServiceDiscoveryRequest, StepRequest,
-    StepResponse, WarmupRequest,
+    StepResponse, WarmupRequest, WarmupResponse,
 };
+
+/// What the shard group's Warmup settled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Warmed {
+    /// KV blocks every rank holds.
+    pub num_blocks: u32,
+    /// The first steps may still compile kernels (`WarmupResponse.compilation_pending`).
+    pub compilation_pending: bool,
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -128,24 +137,27 @@ impl ShardGroup {
         Ok(())
     }
 
-    /// Warms every rank up; returns the smallest `num_blocks` (each rank
-    /// holds its slice of every block, so the group has as many as its
-    /// smallest member).
+    /// Warms every rank up. The group has as many blocks as its smallest
+    /// member (each rank holds its slice of every block), and compilation is
+    /// pending when any rank says so (a step waits for its slowest rank).
     pub async fn warmup(
         &mut self,
         max_batch_prefill_tokens: u32,
         max_batch_size: u32,
         max_total_tokens: u32,
-    ) -> Result<u32, ClientError> {
+    ) -> Result<Warmed, ClientError> {
         let responses = try_join_all(self.clients.iter_mut().map(|c| {
             c.warmup(WarmupRequest { max_batch_prefill_tokens, max_batch_size, max_total_tokens })
         }))
         .await?;
-        responses
-            .into_iter()
-            .map(|r| r.into_inner().num_blocks)
+        let responses: Vec<WarmupResponse> = responses.into_iter().map(tonic::Response::into_inner).collect();
+        let num_blocks = responses
+            .iter()
+            .map(|r| r.num_blocks)
             .min()
-            .ok_or_else(|| ClientError::Protocol("no shards".into()))
+            .ok_or_else(|| ClientError::Protocol("no shards".into()))?;
+        let compilation_pending = responses.iter().any(|r| r.compilation_pending);
+        Ok(Warmed { num_blocks, compilation_pending })
     }
 
     pub async fn clear_cache(&mut self) -> Result<(), ClientError> {

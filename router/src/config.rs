@@ -127,6 +127,10 @@ pub struct ServingFlags {
     /// line is readable by every local user.
     #[arg(long, env = "API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
+    /// Require the API key on /metrics too (off: Prometheus and an endpoint
+    /// picker scrape it without one). Needs --api-key.
+    #[arg(long, env = "SLUICE_METRICS_AUTH", requires = "api_key")]
+    pub metrics_auth: bool,
     /// Allowed CORS origin (scheme://host[:port], or * for any); repeat, or
     /// separate with commas, for several.
     #[arg(long, env = "CORS_ALLOW_ORIGIN", value_delimiter = ',', value_parser = parse_origin)]
@@ -148,10 +152,13 @@ pub struct ServingFlags {
     #[arg(long, env = "SHUTDOWN_TIMEOUT", default_value_t = 30)]
     pub shutdown_timeout: u64,
     /// Seconds one step may take before the shards count as stuck: in-flight
-    /// requests then fail and the server exits non-zero, to be restarted.
+    /// requests then fail (503), /health fails and the server exits non-zero,
+    /// to be restarted. Applies from the first step unless the shards may
+    /// still compile kernels (see --first-steps-timeout).
     #[arg(long, env = "STEP_TIMEOUT", default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..))]
     pub step_timeout: u64,
-    /// --step-timeout of the first steps after warmup, which may compile kernels.
+    /// --step-timeout of the first 16 steps after warmup, used only when the
+    /// shards say kernels may still compile then (Triton on CUDA; never on CPU).
     #[arg(long, env = "SLUICE_FIRST_STEPS_TIMEOUT", default_value_t = 600, value_parser = clap::value_parser!(u64).range(1..))]
     pub first_steps_timeout: u64,
     /// Readiness fails when the shards made no progress for this many seconds.
@@ -357,6 +364,9 @@ impl ServingFlags {
         if self.json_output {
             args.push("--json-output".into());
         }
+        if self.metrics_auth {
+            args.push("--metrics-auth".into());
+        }
         args
     }
 }
@@ -425,10 +435,12 @@ impl RouterConfig {
         }
     }
 
-    pub fn step_deadline(&self) -> StepDeadline {
+    /// `--first-steps-timeout` applies only when the shards said kernels may
+    /// still compile after warmup (`compilation_pending`).
+    pub fn step_deadline(&self, compilation_pending: bool) -> StepDeadline {
         StepDeadline {
             steady: Duration::from_secs(self.serving.step_timeout),
-            first_steps: Duration::from_secs(self.serving.first_steps_timeout),
+            first_steps: compilation_pending.then(|| Duration::from_secs(self.serving.first_steps_timeout)),
         }
     }
 
@@ -534,7 +546,7 @@ mod tests {
             "--max-concurrent-requests", "9", "--max-stop-sequences", "2", "--max-top-n-tokens", "3", "--max-n", "2",
             "--max-client-batch-size", "7", "--no-prefix-caching", "--no-web-ui", "--served-model-name", "m",
             "--chat-template", "t.jinja", "--tool-call-parser", "llama3_json", "--reasoning-parser", "deepseek_r1",
-            "--responses-store-capacity", "5", "--responses-store-ttl", "60", "--api-key", "k",
+            "--responses-store-capacity", "5", "--responses-store-ttl", "60", "--api-key", "k", "--metrics-auth",
             "--cors-allow-origin", "http://a,http://b", "--payload-limit", "10", "--max-connections", "5",
             "--header-timeout", "6", "--body-timeout", "7", "--shutdown-timeout", "8", "--step-timeout", "45",
             "--first-steps-timeout", "90", "--progress-timeout", "20", "--json-output",
@@ -547,10 +559,11 @@ mod tests {
         .serving;
         let args = given.router_args();
         assert!(!args.iter().any(|a| a == "k"), "the key is not on the command line: {args:?}");
-        let mut argv = vec!["sluice-router".to_string(), "--tokenizer".into(), "m".into()];
+        // The router gets the key from its environment; --metrics-auth needs it.
+        let mut argv = vec!["sluice-router".to_string(), "--tokenizer".into(), "m".into(), "--api-key".into(), "k".into()];
         argv.extend(args);
         let handed = RouterConfig::try_parse_from(argv).unwrap().serving;
-        assert_eq!(handed, ServingFlags { api_key: None, ..given });
+        assert_eq!(handed, given);
         // Defaults hand on as defaults.
         let defaults = parse(&[]).serving;
         let mut argv = vec!["sluice-router".to_string(), "--tokenizer".into(), "m".into()];
@@ -582,6 +595,25 @@ mod tests {
             let err = RouterConfig::try_parse_from(argv).unwrap_err().to_string();
             assert!(err.contains(bad.split('=').next().unwrap()), "{bad}: {err}");
         }
+    }
+
+    #[test]
+    fn the_first_steps_timeout_applies_only_while_kernels_may_compile() {
+        let config = parse(&["--step-timeout", "10", "--first-steps-timeout", "90"]);
+        let compiled = config.step_deadline(false);
+        assert_eq!((compiled.steady, compiled.first_steps), (Duration::from_secs(10), None));
+        let compiling = config.step_deadline(true);
+        assert_eq!(compiling.first_steps, Some(Duration::from_secs(90)));
+    }
+
+    #[test]
+    fn metrics_auth_needs_an_api_key() {
+        assert!(!parse(&[]).serving.metrics_auth, "off by default");
+        assert!(parse(&["--api-key", "k", "--metrics-auth"]).serving.metrics_auth);
+        let error = RouterConfig::try_parse_from(["sluice-router", "--tokenizer", "m", "--metrics-auth"])
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("--api-key"), "{error}");
     }
 
     #[test]

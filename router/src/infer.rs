@@ -165,6 +165,11 @@ pub enum InferError {
     /// cache holds): HTTP 422.
     #[error("{0}")]
     Unschedulable(String),
+    /// The scheduler failed for good ([`SchedulerFailure`]: a stuck shard, a
+    /// bug) and the server is about to exit to be restarted: HTTP 503, the
+    /// request may be retried elsewhere or after the restart.
+    #[error("{0}")]
+    Unavailable(String),
 }
 
 pub type InferStream = mpsc::UnboundedReceiver<Result<InferEvent, InferError>>;
@@ -190,6 +195,11 @@ impl SchedulerFailure {
             Self::StepDeadline(_) => self.to_string(),
             Self::Panicked(_) => "the scheduler failed".into(),
         }
+    }
+
+    /// The error requests in flight, and liveness probes, get.
+    pub fn unavailable(&self) -> InferError {
+        InferError::Unavailable(format!("{}; the server is restarting", self.public()))
     }
 }
 
@@ -230,6 +240,9 @@ pub struct SchedulerStats {
     pub steps: u64,
     /// Set while a Step RPC is in flight.
     pub step_in_flight_since: Option<Instant>,
+    /// When the step in flight passes its [`StepDeadline`](crate::scheduler::StepDeadline)
+    /// (set with `step_in_flight_since`): liveness fails from then on.
+    pub step_deadline: Option<Instant>,
     pub last_step_finished: Option<Instant>,
     pub preemptions: u64,
     pub evicted_blocks: u64,

@@ -63,13 +63,16 @@ async fn a_request_error_fails_only_that_request() {
 }
 
 #[test]
-fn the_first_steps_get_the_longer_deadline() {
-    let deadline = StepDeadline { steady: Duration::from_secs(10), first_steps: Duration::from_secs(100) };
-    assert_eq!(deadline.for_step(0), Duration::from_secs(100));
-    assert_eq!(deadline.for_step(StepDeadline::FIRST_STEPS - 1), Duration::from_secs(100));
-    assert_eq!(deadline.for_step(StepDeadline::FIRST_STEPS), Duration::from_secs(10));
+fn the_first_steps_get_the_longer_deadline_only_while_kernels_may_compile() {
+    let compiling = StepDeadline { steady: Duration::from_secs(10), first_steps: Some(Duration::from_secs(100)) };
+    assert_eq!(compiling.for_step(0), Duration::from_secs(100));
+    assert_eq!(compiling.for_step(StepDeadline::FIRST_STEPS - 1), Duration::from_secs(100));
+    assert_eq!(compiling.for_step(StepDeadline::FIRST_STEPS), Duration::from_secs(10));
+    // Nothing compiles after warmup (CPU): the steady limit from the first step.
+    let compiled = StepDeadline { steady: Duration::from_secs(10), first_steps: None };
+    assert_eq!(compiled.for_step(0), Duration::from_secs(10));
     // A first-steps limit below the steady one never shortens a step.
-    let odd = StepDeadline { steady: Duration::from_secs(10), first_steps: Duration::from_secs(1) };
+    let odd = StepDeadline { steady: Duration::from_secs(10), first_steps: Some(Duration::from_secs(1)) };
     assert_eq!(odd.for_step(0), Duration::from_secs(10));
 }
 
@@ -83,7 +86,7 @@ async fn a_step_past_its_deadline_fails_every_request_and_stops_the_scheduler() 
     // Steps take a moment, so `a` is still running when the hang is set.
     fake.latency = Duration::from_millis(20);
     let mut config = scheduler_config(&fake);
-    config.step_deadline = StepDeadline { steady: Duration::from_secs(1), first_steps: Duration::from_secs(1) };
+    config.step_deadline = StepDeadline { steady: Duration::from_secs(1), first_steps: None };
     let (infer, handle) = start(fake.clone(), config);
 
     let mut a = infer.generate(request(vec![1, 2, 3, 4, 5], 50)).await.unwrap();
@@ -94,10 +97,10 @@ async fn a_step_past_its_deadline_fails_every_request_and_stops_the_scheduler() 
     let b_out = read(&mut b, None).await;
     for out in [&a_out, &b_out] {
         match &out.error {
-            Some(InferError::Generation(message)) => {
+            Some(InferError::Unavailable(message)) => {
                 assert!(message.contains("did not finish a step within 1s"), "{message}")
             }
-            other => panic!("expected a generation error, got {other:?} ({out:?})"),
+            other => panic!("expected the server to be unavailable, got {other:?} ({out:?})"),
         }
     }
     let failure = tokio::time::timeout(Duration::from_secs(30), infer.failed()).await.expect("failure reported");

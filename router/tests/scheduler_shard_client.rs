@@ -33,7 +33,8 @@ impl Shard for Rank {
         Ok(Response::new(ServiceDiscoveryResponse { urls: self.urls.clone() }))
     }
     async fn warmup(&self, _: Request<WarmupRequest>) -> Result<Response<WarmupResponse>, Status> {
-        Ok(Response::new(WarmupResponse { num_blocks: self.num_blocks, kv_cache_bytes: 0 }))
+        // Only rank 1 may still compile kernels: the group must say so.
+        Ok(Response::new(WarmupResponse { num_blocks: self.num_blocks, kv_cache_bytes: 0, compilation_pending: self.rank == 1 }))
     }
     async fn step(&self, request: Request<StepRequest>) -> Result<Response<StepResponse>, Status> {
         if self.fail_steps {
@@ -93,7 +94,9 @@ async fn steps_go_to_every_rank_and_rank_0_answers() {
     assert_eq!(group.world_size(), 2);
     assert_eq!(group.info().await.unwrap().rank, 0);
     group.health().await.unwrap();
-    assert_eq!(group.warmup(64, 8, 128).await.unwrap(), 99, "the smallest rank's num_blocks");
+    let warmed = group.warmup(64, 8, 128).await.unwrap();
+    assert_eq!(warmed.num_blocks, 99, "the smallest rank's num_blocks");
+    assert!(warmed.compilation_pending, "one rank still compiling holds every step");
     group.clear_cache().await.unwrap();
 
     let step = StepRequest {

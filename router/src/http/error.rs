@@ -24,8 +24,8 @@ pub enum ApiError {
     Validation(#[from] ValidationError),
     #[error(transparent)]
     Infer(#[from] InferError),
-    #[error("the request body is larger than the server's limit (--payload-limit)")]
-    PayloadTooLarge,
+    #[error("the request body is larger than the server's limit of {limit} bytes (--payload-limit)")]
+    PayloadTooLarge { limit: usize },
     /// The body stopped arriving for longer than `--body-timeout`.
     #[error("the request body stopped arriving (--body-timeout)")]
     BodyTimeout,
@@ -77,10 +77,12 @@ impl ApiError {
             Self::Batch(BatchError::Store(_)) => StatusCode::INTERNAL_SERVER_ERROR,
             Self::Validation(_) => StatusCode::BAD_REQUEST,
             Self::Infer(InferError::Overloaded(_)) => StatusCode::TOO_MANY_REQUESTS,
-            Self::Infer(InferError::ShuttingDown) | Self::Draining => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Infer(InferError::ShuttingDown | InferError::Unavailable(_)) | Self::Draining => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             Self::Infer(InferError::Generation(_)) => StatusCode::INTERNAL_SERVER_ERROR,
             Self::Infer(InferError::Unschedulable(_)) => StatusCode::UNPROCESSABLE_ENTITY,
-            Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
             Self::NotFound { .. } => StatusCode::NOT_FOUND,
@@ -115,10 +117,11 @@ impl ApiError {
             Self::Validation(ValidationError::ModelNotFound(_)) => ("invalid_request_error", Some("model_not_found")),
             Self::Validation(ValidationError::Tokenizer(_)) => ("server_error", None),
             Self::Validation(_) | Self::Infer(InferError::Unschedulable(_)) => ("invalid_request_error", None),
-            Self::PayloadTooLarge => ("invalid_request_error", Some("payload_too_large")),
+            Self::PayloadTooLarge { .. } => ("invalid_request_error", Some("payload_too_large")),
             Self::BodyTimeout => ("invalid_request_error", Some("request_timeout")),
             Self::Infer(InferError::Overloaded(_)) => ("rate_limit_error", Some("overloaded")),
             Self::Infer(InferError::ShuttingDown) | Self::Draining => ("service_unavailable", Some("shutting_down")),
+            Self::Infer(InferError::Unavailable(_)) => ("service_unavailable", Some("server_restarting")),
             Self::Infer(InferError::Generation(_)) => ("server_error", Some("generation_failed")),
             Self::Unauthorized => ("authentication_error", Some("invalid_api_key")),
             Self::Batch(BatchError::NotFound { .. }) => ("invalid_request_error", Some("not_found")),
@@ -136,10 +139,10 @@ impl ApiError {
         match self {
             Self::Validation(ValidationError::Tokenizer(_)) => "tokenizer",
             Self::Validation(_) | Self::Infer(InferError::Unschedulable(_)) => "validation",
-            Self::PayloadTooLarge => "payload_too_large",
+            Self::PayloadTooLarge { .. } => "payload_too_large",
             Self::BodyTimeout => "request_timeout",
             Self::Infer(InferError::Overloaded(_)) => "overloaded",
-            Self::Infer(InferError::ShuttingDown) | Self::Draining => "unhealthy",
+            Self::Infer(InferError::ShuttingDown | InferError::Unavailable(_)) | Self::Draining => "unhealthy",
             Self::Infer(InferError::Generation(_)) => "generation",
             Self::Unauthorized => "authentication",
             Self::Batch(BatchError::Store(_)) => "generation",
@@ -281,12 +284,14 @@ impl IntoResponse for TgiError {
     }
 }
 
-/// The body as bytes, with an oversized body reported in our error shape.
+/// The body as bytes, with an oversized or stalled body reported in our
+/// error shape.
 pub fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     body.map_err(|rejection| {
-        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::PayloadTooLarge
-        } else if body_timed_out(&rejection) {
+        if let Some(BodyTooLarge { limit }) = cause::<BodyTooLarge>(&rejection) {
+            ApiError::PayloadTooLarge { limit: *limit }
+        } else if cause::<tower_http::timeout::TimeoutError>(&rejection).is_some() {
+            // The body stopped arriving: `--body-timeout` (http/serve.rs) ended it.
             ApiError::BodyTimeout
         } else {
             ApiError::Validation(ValidationError::Body {
@@ -297,17 +302,24 @@ pub fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError
     })
 }
 
-/// Whether the body stopped arriving: `--body-timeout` (http/serve.rs)
-/// ended it, somewhere down the rejection's chain of causes.
-fn body_timed_out(rejection: &BytesRejection) -> bool {
+/// The error a request body fails with once it grows past `--payload-limit`
+/// (see `http::limit_body`); [`body_bytes`] finds it in the rejection.
+#[derive(Debug, thiserror::Error)]
+#[error("the request body is larger than {limit} bytes")]
+pub struct BodyTooLarge {
+    pub limit: usize,
+}
+
+/// The first error of type `E` down the rejection's chain of causes.
+fn cause<E: std::error::Error + 'static>(rejection: &BytesRejection) -> Option<&E> {
     let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(rejection);
     while let Some(error) = cause {
-        if error.is::<tower_http::timeout::TimeoutError>() {
-            return true;
+        if let Some(found) = error.downcast_ref::<E>() {
+            return Some(found);
         }
         cause = error.source();
     }
-    false
+    None
 }
 
 /// A handler's body as `T`: [`body_bytes`], then [`parse_json`].
@@ -486,6 +498,14 @@ mod tests {
         assert_eq!(generation.tgi_status(), StatusCode::FAILED_DEPENDENCY);
         assert_eq!(generation.openai_status(), StatusCode::INTERNAL_SERVER_ERROR);
         assert_eq!(generation.tgi_body().error_type, "generation");
+        let restarting = ApiError::Infer(InferError::Unavailable("the shards did not finish a step".into()));
+        let response = TgiError(restarting).into_response();
+        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE, "a failed server is 503, not 424");
+        assert_eq!(response.headers()[header::RETRY_AFTER], "1");
+        let restarting = ApiError::Infer(InferError::Unavailable("the shards did not finish a step".into()));
+        assert_eq!(restarting.openai_status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(restarting.openai_body().error.code.as_deref(), Some("server_restarting"));
+        assert_eq!(restarting.tgi_body().error_type, "unhealthy");
         let missing = ApiError::Validation(ValidationError::ModelNotFound("x".into()));
         assert_eq!(missing.openai_status(), StatusCode::NOT_FOUND);
         assert_eq!(missing.openai_body().error.code.as_deref(), Some("model_not_found"));

@@ -569,12 +569,12 @@ impl RequestRecord {
     pub fn failed(&mut self, error: &ApiError) {
         self.outcome = match error {
             ApiError::Validation(_)
-            | ApiError::PayloadTooLarge
+            | ApiError::PayloadTooLarge { .. }
             | ApiError::BodyTimeout
             | ApiError::Unauthorized
             | ApiError::NotFound { .. } => "invalid",
             ApiError::Infer(InferError::Overloaded(_)) => "overloaded",
-            ApiError::Infer(InferError::ShuttingDown) | ApiError::Draining => "unavailable",
+            ApiError::Infer(InferError::ShuttingDown | InferError::Unavailable(_)) | ApiError::Draining => "unavailable",
             ApiError::Infer(InferError::Unschedulable(_)) => "invalid",
             ApiError::Infer(InferError::Generation(_)) => "error",
             ApiError::Batch(BatchError::Store(_)) => "error",

@@ -35,18 +35,19 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use axum::body::Bytes;
+use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, Query, Request, State};
 use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{get, post, MethodRouter};
 use axum::{Json, Router};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
 use serde::{Deserialize, Serialize};
 use tower_http::cors::{AllowOrigin, CorsLayer};
 use utoipa::{OpenApi, ToSchema};
 
-use crate::infer::SchedulerStats;
+use crate::infer::{InferError, SchedulerFailure, SchedulerStats};
 use error::{AnthropicError, ApiError, OpenAiError, TgiError};
 
 /// Anthropic's API-key header.
@@ -56,10 +57,13 @@ const X_API_KEY: &str = "x-api-key";
 const MULTIPART_SLACK: usize = 64 * 1024;
 
 pub struct HttpOptions {
+    /// `--payload-limit`, in bytes.
     pub payload_limit: usize,
     pub cors_allow_origin: Vec<String>,
     /// Serve the web page at `GET /` (`--web-ui`).
     pub web_ui: bool,
+    /// `--metrics-auth`: /metrics asks for the API key as the API routes do.
+    pub metrics_auth: bool,
 }
 
 pub fn app(state: Arc<AppState>, options: &HttpOptions) -> Router {
@@ -99,14 +103,17 @@ pub fn app(state: Arc<AppState>, options: &HttpOptions) -> Router {
         .route("/openapi.json", get(openapi))
         .layer(middleware::from_fn_with_state(state.clone(), require_api_key))
         // Reachable without the key: the web page, liveness and readiness
-        // (probes), and the metrics (Prometheus and the Gateway API
-        // Inference Extension's endpoint picker scrape them; they carry no
-        // request content).
+        // (probes), and by default the metrics (Prometheus and the Gateway
+        // API Inference Extension's endpoint picker scrape them; they carry
+        // no request content, but do show load and traffic).
         .merge(web_ui_routes(options.web_ui))
         .route("/health", get(health))
         .route("/ready", get(ready))
-        .route("/metrics", get(metrics))
-        .layer(DefaultBodyLimit::max(options.payload_limit))
+        .route("/metrics", metrics_route(&state, options.metrics_auth))
+        // limit_body enforces --payload-limit instead of axum's default
+        // limit, so that the 413 can name it.
+        .layer(DefaultBodyLimit::disable())
+        .layer(middleware::from_fn_with_state(options.payload_limit, limit_body))
         .with_state(state);
     if options.cors_allow_origin.is_empty() {
         return router;
@@ -141,6 +148,46 @@ fn allowed_origins(origins: &[String]) -> AllowOrigin {
         return AllowOrigin::any();
     }
     AllowOrigin::list(origins.iter().filter_map(|o| HeaderValue::from_str(o).ok()))
+}
+
+/// `GET /metrics`, behind the API key when `auth` (`--metrics-auth`).
+fn metrics_route(state: &Arc<AppState>, auth: bool) -> MethodRouter<Arc<AppState>> {
+    let route = get(metrics);
+    if auth {
+        return route.layer(middleware::from_fn_with_state(state.clone(), require_api_key));
+    }
+    route
+}
+
+/// `--payload-limit`: a body that says it is larger is refused before it is
+/// read; one that grows past the limit while arriving (chunked) fails with
+/// [`error::BodyTooLarge`], which the handler's `body_bytes` turns into the
+/// same 413. Both name the limit in bytes and the flag.
+///
+/// File uploads have their own, larger limit (`--batch-max-file-bytes`, set
+/// on their route), so this one leaves them alone.
+async fn limit_body(State(limit): State<usize>, request: Request, next: Next) -> Response {
+    if request.uri().path() == "/v1/files" {
+        return next.run(request).await;
+    }
+    let declared = request
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|length| length > limit as u64) {
+        return api_error_for(request.uri().path(), ApiError::PayloadTooLarge { limit });
+    }
+    let request = request.map(|body| {
+        Body::new(Limited::new(body, limit).map_err(move |error| -> axum::BoxError {
+            if error.is::<LengthLimitError>() {
+                Box::new(error::BodyTooLarge { limit })
+            } else {
+                error
+            }
+        }))
+    });
+    next.run(request).await
 }
 
 /// The key travels as `Authorization: Bearer KEY` (OpenAI's clients, TGI's)
@@ -190,14 +237,43 @@ fn api_error_for(path: &str, error: ApiError) -> Response {
     }
 }
 
-/// Liveness: the process answers. `?ready` turns it into readiness.
+/// Liveness: the process answers and can still serve. `?ready` turns it
+/// into readiness.
 #[utoipa::path(get, path = "/health", params(("ready" = Option<String>, Query, description = "answer as /ready does")),
-    responses((status = 200, description = "alive"), (status = 503, description = "not ready (with ?ready)")))]
+    responses((status = 200, description = "alive"),
+        (status = 503, description = "the scheduler failed or a step is past its deadline (the server is about to exit); not ready (with ?ready)",
+            body = error::TgiErrorBody)))]
 async fn health(State(state): State<Arc<AppState>>, Query(query): Query<HealthQuery>) -> Response {
     if query.ready.is_some() {
         return ready(State(state)).await;
     }
-    StatusCode::OK.into_response()
+    let stats = state.infer.stats().await;
+    match liveness(state.infer.failure(), stats.as_ref(), Instant::now()) {
+        Ok(()) => StatusCode::OK.into_response(),
+        Err(error) => TgiError(ApiError::Infer(error)).into_response(),
+    }
+}
+
+/// The liveness decision, separate from I/O so tests can give it clocks.
+/// Dead: the scheduler failed (the router exits a moment later), or a step
+/// is past its deadline (the scheduler is about to fail it). A draining
+/// router stays alive, so a probe never cuts a drain short; a slow step
+/// within its deadline is readiness's business, not a reason to restart.
+pub(crate) fn liveness(
+    failure: Option<SchedulerFailure>,
+    stats: Option<&SchedulerStats>,
+    now: Instant,
+) -> Result<(), InferError> {
+    if let Some(failure) = failure {
+        return Err(failure.unavailable());
+    }
+    let Some(stats) = stats else {
+        return Err(InferError::Unavailable("the scheduler is not running".into()));
+    };
+    if stats.step_deadline.is_some_and(|deadline| now >= deadline) {
+        return Err(InferError::Unavailable("a step is past its deadline; the server is restarting".into()));
+    }
+    Ok(())
 }
 
 #[derive(Deserialize)]

@@ -11,10 +11,10 @@ use axum::Router;
 use serde_json::{json, Value};
 use tower::ServiceExt;
 
-use super::{app, readiness, AppState, HttpOptions, Info};
+use super::{app, liveness, readiness, AppState, HttpOptions, Info};
 use crate::testing::fake_shard::{FakeShard, FakeShardConfig, FakeShardHandle};
-use crate::infer::{SchedulerStats, ShardInfo, TokenCounts};
-use crate::scheduler::{spawn, SchedulerConfig};
+use crate::infer::{InferError, SchedulerFailure, SchedulerStats, ShardInfo, TokenCounts};
+use crate::scheduler::{spawn, SchedulerConfig, StepDeadline};
 
 struct Setup {
     fake: FakeShardConfig,
@@ -28,6 +28,8 @@ struct Setup {
     web_ui: bool,
     /// The model thinks like this (`--reasoning-parser`).
     reasoning: Option<crate::reasoning::ReasoningParserKind>,
+    step_deadline: StepDeadline,
+    metrics_auth: bool,
 }
 
 impl Default for Setup {
@@ -43,6 +45,8 @@ impl Default for Setup {
             cors_allow_origin: vec![],
             web_ui: true,
             reasoning: None,
+            step_deadline: StepDeadline::default(),
+            metrics_auth: false,
         }
     }
 }
@@ -65,7 +69,7 @@ fn build_with_shard(setup: Setup) -> (Router, Arc<AppState>, FakeShardHandle) {
         prefix_caching: true,
         eos_token_ids: vec![fake.eos_token_id],
         metrics_window: Duration::from_secs(60),
-        step_deadline: Default::default(),
+        step_deadline: setup.step_deadline,
         panic_at_step: None,
         speculation: None,
         batch_min_share: 0.1,
@@ -132,8 +136,12 @@ fn build_with_shard(setup: Setup) -> (Router, Arc<AppState>, FakeShardHandle) {
         batches: None,
         responses: Arc::new(crate::http::responses::store::ResponseStore::new(8, Duration::from_secs(60))),
     });
-    let options =
-        HttpOptions { payload_limit: setup.payload_limit, cors_allow_origin: setup.cors_allow_origin, web_ui: setup.web_ui };
+    let options = HttpOptions {
+        payload_limit: setup.payload_limit,
+        cors_allow_origin: setup.cors_allow_origin,
+        web_ui: setup.web_ui,
+        metrics_auth: setup.metrics_auth,
+    };
     (app(state.clone(), &options), state, handle)
 }
 
@@ -372,6 +380,43 @@ async fn bad_requests_get_precise_errors() {
     assert!(text.contains("payload_too_large"));
 }
 
+/// A body over --payload-limit is a 413 that names the limit in bytes and
+/// the flag, in each API's shape, whether its length was declared (refused
+/// before a byte is read) or it grew past the limit while arriving.
+#[tokio::test]
+async fn an_oversized_body_is_413_naming_the_limit_and_the_flag() {
+    let (app, _) = build(Setup::default());
+    let names_the_limit = |message: &str| message.contains("limit of 4096 bytes (--payload-limit)");
+    let big = json!({"inputs": "x".repeat(5000), "messages": [{"role": "user", "content": "x"}]});
+    // No Content-Length: the limit cuts the body off as it is read.
+    let (status, tgi) = post(&app, "/generate", big.clone()).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE, "{tgi}");
+    assert_eq!(tgi["error_type"], "payload_too_large");
+    assert!(names_the_limit(tgi["error"].as_str().unwrap()), "{tgi}");
+    let (status, openai) = post(&app, "/v1/chat/completions", big).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE, "{openai}");
+    assert_eq!(openai["error"]["code"], "payload_too_large");
+    assert!(names_the_limit(openai["error"]["message"].as_str().unwrap()), "{openai}");
+    // A declared length over the limit: answered without reading a body
+    // that would never arrive.
+    for path in ["/generate", "/v1/completions"] {
+        let never = Body::from_stream(futures::stream::pending::<Result<axum::body::Bytes, std::io::Error>>());
+        let request = Request::post(path).header("content-type", "application/json").header("content-length", "5000");
+        let response = tokio::time::timeout(Duration::from_secs(10), app.clone().oneshot(request.body(never).unwrap()))
+            .await
+            .expect("the declared length was not checked first")
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::PAYLOAD_TOO_LARGE, "{path}");
+        let text = axum::body::to_bytes(response.into_body(), 1 << 16).await.unwrap();
+        let text = String::from_utf8_lossy(&text);
+        assert!(names_the_limit(&text), "{path}: {text}");
+        assert_eq!(text.contains("\"error_type\""), path == "/generate", "{path}: {text}");
+    }
+    // Just under the limit is read as usual.
+    let (status, body) = post(&app, "/generate", json!({"inputs": "x", "parameters": {"max_new_tokens": 1}})).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+}
+
 /// Sends a request of 12 steps and returns once the scheduler holds it (not
 /// after a guessed pause); its answer is the returned task's.
 async fn hold_a_slot(app: &Router, state: &AppState) -> tokio::task::JoinHandle<(StatusCode, Value)> {
@@ -479,6 +524,87 @@ async fn draining_refuses_new_requests_and_readiness() {
 }
 
 #[tokio::test]
+async fn liveness_fails_once_a_step_is_past_its_deadline_or_the_scheduler_failed() {
+    let now = Instant::now() + Duration::from_secs(60);
+    let idle = SchedulerStats::default();
+    assert_eq!(liveness(None, Some(&idle), now), Ok(()));
+    let slow = SchedulerStats { running: 1, step_deadline: Some(now + Duration::from_secs(1)), ..Default::default() };
+    assert_eq!(liveness(None, Some(&slow), now), Ok(()), "a slow step within its deadline is alive");
+    let overdue = SchedulerStats { running: 1, step_deadline: Some(now - Duration::from_millis(1)), ..Default::default() };
+    let says = |result: Result<(), InferError>, words: &str| matches!(result, Err(InferError::Unavailable(m)) if m.contains(words));
+    assert!(says(liveness(None, Some(&overdue), now), "past its deadline"));
+    let failed = SchedulerFailure::StepDeadline(Duration::from_secs(10));
+    assert!(says(liveness(Some(failed), None, now), "did not finish a step within 10s"));
+    assert!(liveness(None, None, now).is_err(), "scheduler gone");
+}
+
+/// A shard that stops answering: at the step deadline every request in
+/// flight ends in its API's shape (an error event that closes a stream, a
+/// 503 for a buffered request), then liveness fails and new requests get 503.
+#[tokio::test]
+async fn a_stuck_shard_fails_every_request_in_flight_and_liveness() {
+    let step_deadline = StepDeadline { steady: Duration::from_secs(1), first_steps: None };
+    let mut setup = Setup { step_deadline, ..Default::default() };
+    // Long enough steps that all four are still running when the hang is set.
+    setup.fake.latency = Duration::from_millis(300);
+    let (app, state, shard) = build_with_shard(setup);
+    let requests = [
+        ("/generate_stream", json!({"inputs": "a", "parameters": {"max_new_tokens": 12}})),
+        ("/generate", json!({"inputs": "b", "parameters": {"max_new_tokens": 12}})),
+        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "c"}], "max_tokens": 6, "stream": true})),
+        ("/v1/completions", json!({"prompt": "d", "max_tokens": 12})),
+    ];
+    let calls: Vec<_> = requests
+        .into_iter()
+        .map(|(path, body)| {
+            let app = app.clone();
+            tokio::spawn(async move { call(&app, "POST", path, Some(body)).await })
+        })
+        .collect();
+    let all_running = async {
+        while state.infer.stats().await.map_or(0, |s| s.running) < 4 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), all_running).await.expect("the four requests never ran together");
+    shard.hang_next_steps(1);
+    let started = Instant::now();
+    let mut answers = Vec::new();
+    for call in calls {
+        answers.push(tokio::time::timeout(Duration::from_secs(30), call).await.expect("a request hung").unwrap());
+    }
+    assert!(started.elapsed() < Duration::from_secs(10), "{:?}", started.elapsed());
+    let says_why = |text: &str| text.contains("did not finish a step within 1s");
+
+    let (status, _, tgi_stream) = &answers[0];
+    assert_eq!(*status, StatusCode::OK, "the stream had started");
+    let last: Value = serde_json::from_str(sse_payloads(tgi_stream).last().unwrap()).unwrap();
+    assert_eq!(last["error_type"], "unhealthy", "{tgi_stream}");
+    assert!(says_why(last["error"].as_str().unwrap()), "{last}");
+    let (status, headers, tgi) = &answers[1];
+    assert_eq!(*status, StatusCode::SERVICE_UNAVAILABLE, "{tgi}");
+    assert_eq!(headers["retry-after"], "1");
+    assert!(says_why(tgi) && tgi.contains("\"error_type\":\"unhealthy\""), "{tgi}");
+    let (status, _, chat_stream) = &answers[2];
+    assert_eq!(*status, StatusCode::OK);
+    let payloads = sse_payloads(chat_stream);
+    assert_eq!(payloads.last().unwrap(), "[DONE]");
+    let error: Value = serde_json::from_str(&payloads[payloads.len() - 2]).unwrap();
+    assert_eq!(error["error"]["code"], "server_restarting", "{chat_stream}");
+    assert!(says_why(error["error"]["message"].as_str().unwrap()), "{error}");
+    let (status, _, completion) = &answers[3];
+    assert_eq!(*status, StatusCode::SERVICE_UNAVAILABLE, "{completion}");
+    let completion: Value = serde_json::from_str(completion).unwrap();
+    assert_eq!(completion["error"]["type"], "service_unavailable");
+
+    let (status, _, health) = call(&app, "GET", "/health", None).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{health}");
+    assert!(says_why(&health), "{health}");
+    let (status, body) = post(&app, "/generate", json!({"inputs": "e"})).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+}
+
+#[tokio::test]
 async fn readiness_requires_progress() {
     let (_, state) = build(Setup::default());
     let now = Instant::now() + Duration::from_secs(60);
@@ -544,6 +670,25 @@ async fn the_api_key_guards_the_api_but_not_probes_or_metrics() {
     let (_, _, metrics) = call(&app, "GET", "/metrics", None).await;
     let ratio = sample(&metrics, "sluice_kv_cache_usage_ratio").unwrap_or_else(|| panic!("{metrics}"));
     assert!((0.0..=1.0).contains(&ratio), "{ratio}");
+}
+
+#[tokio::test]
+async fn metrics_auth_puts_metrics_behind_the_key_and_leaves_the_probes_open() {
+    let (app, _) = build(Setup { api_key: Some("k".into()), metrics_auth: true, ..Default::default() });
+    let (status, _, body) = call(&app, "GET", "/metrics", None).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED, "{body}");
+    assert!(body.contains("\"error_type\":\"authentication\""), "{body}");
+    let wrong = Request::get("/metrics").header("authorization", "Bearer x").body(Body::empty()).unwrap();
+    assert_eq!(app.clone().oneshot(wrong).await.unwrap().status(), StatusCode::UNAUTHORIZED);
+    let keyed = Request::get("/metrics").header("authorization", "Bearer k").body(Body::empty()).unwrap();
+    let response = app.clone().oneshot(keyed).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let text = axum::body::to_bytes(response.into_body(), 1 << 24).await.unwrap();
+    assert!(String::from_utf8_lossy(&text).contains("sluice_kv_cache_usage_ratio"));
+    for path in ["/health", "/ready"] {
+        let (status, _, body) = call(&app, "GET", path, None).await;
+        assert_eq!(status, StatusCode::OK, "{path}: {body}");
+    }
 }
 
 /// One unlabelled sample of an exposition.

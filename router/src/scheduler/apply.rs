@@ -36,6 +36,7 @@ impl Scheduler {
         let elapsed = started.elapsed();
         self.stats.steps += 1;
         self.stats.step_in_flight_since = None;
+        self.stats.step_deadline = None;
         self.stats.last_step_finished = Some(Instant::now());
         self.stats.evicted_blocks = self.kv.evicted;
         crate::metrics::step_finished(elapsed, plan.entries.len(), plan.tokens());

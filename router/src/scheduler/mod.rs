@@ -104,11 +104,15 @@ pub struct SchedulerConfig {
 /// hold every request, and every slot, forever.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StepDeadline {
-    /// Any step after the first ones.
+    /// Every step's limit (`--step-timeout`).
     pub steady: Duration,
-    /// The first [`StepDeadline::FIRST_STEPS`] steps: they may compile
-    /// kernels for shapes warmup did not run (Triton, torch).
-    pub first_steps: Duration,
+    /// The limit of the first [`StepDeadline::FIRST_STEPS`] steps
+    /// (`--first-steps-timeout`), only while the shards said they may still
+    /// compile kernels for shapes warmup did not run
+    /// (`WarmupResponse.compilation_pending`: Triton on CUDA). None: nothing
+    /// compiles after warmup (CPU), so a stuck shard is caught at `steady`
+    /// from the first step.
+    pub first_steps: Option<Duration>,
 }
 
 impl StepDeadline {
@@ -116,17 +120,16 @@ impl StepDeadline {
 
     /// The limit of the step that follows `steps_done` finished ones.
     pub fn for_step(&self, steps_done: u64) -> Duration {
-        if steps_done < Self::FIRST_STEPS {
-            self.first_steps.max(self.steady)
-        } else {
-            self.steady
+        match self.first_steps {
+            Some(first) if steps_done < Self::FIRST_STEPS => first.max(self.steady),
+            _ => self.steady,
         }
     }
 }
 
 impl Default for StepDeadline {
     fn default() -> Self {
-        Self { steady: Duration::from_secs(120), first_steps: Duration::from_secs(600) }
+        Self { steady: Duration::from_secs(120), first_steps: None }
     }
 }
 
@@ -190,8 +193,9 @@ async fn run<S: Shard>(
         let request = scheduler.to_proto(&plan);
         let (step_span, step_trace) = scheduler.trace_step(&plan);
         let started = Instant::now();
-        scheduler.stats.step_in_flight_since = Some(started);
         let limit = scheduler.config.step_deadline.for_step(scheduler.stats.steps);
+        scheduler.stats.step_in_flight_since = Some(started);
+        scheduler.stats.step_deadline = Some(started + limit);
         let deadline = tokio::time::sleep(limit);
         let step = shard.step_traced(request, step_trace);
         tokio::pin!(step, deadline);
@@ -344,9 +348,8 @@ impl Scheduler {
     /// The scheduler stops: every request, running or waiting, ends with an
     /// error that says why (clients see it before the router exits).
     fn fail_all(&mut self, failure: &SchedulerFailure) {
-        let message = format!("{}; the server is restarting", failure.public());
         for r in self.running.drain(..).chain(self.waiting.drain(..)) {
-            r.send(Err(InferError::Generation(message.clone())));
+            r.send(Err(failure.unavailable()));
         }
     }
 
