@@ -324,6 +324,27 @@ def test_secrets():
     assert {"API_KEY", "HF_TOKEN"}.isdisjoint(env_of(sluice_container(plain)))
 
 
+def test_metrics_auth_makes_prometheus_send_the_key():
+    """launcher.metrics-auth: the router guards /metrics, and the
+    ServiceMonitor carries the key from the Secret that holds it (the
+    chart's, or yours); off, Prometheus scrapes without one."""
+    objects = render("secrets")
+    assert flags_of(sluice_container(objects))["metrics-auth"] == [None]
+    (endpoint,) = find(objects, "ServiceMonitor")["spec"]["endpoints"]
+    assert endpoint["authorization"] == {"type": "Bearer", "credentials": {"name": f"{RELEASE}-secrets", "key": "api-key"}}
+    # The key itself is in no plain text of the monitor.
+    assert "test-api-key" not in json.dumps(find(objects, "ServiceMonitor"))
+    yours = render("secrets", {"apiKey.value": "", "apiKey.existingSecret": "my-key", "apiKey.secretKey": "token"})
+    (endpoint,) = find(yours, "ServiceMonitor")["spec"]["endpoints"]
+    assert endpoint["authorization"]["credentials"] == {"name": "my-key", "key": "token"}
+    env = env_of(sluice_container(yours))
+    assert env["API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "my-key", "key": "token"}
+    off = render("secrets", {"launcher.metrics-auth": False})
+    assert "metrics-auth" not in flags_of(sluice_container(off))
+    (endpoint,) = find(off, "ServiceMonitor")["spec"]["endpoints"]
+    assert "authorization" not in endpoint
+
+
 def test_changing_the_key_restarts_the_pods():
     def checksum(key):
         deployment = find(render("secrets", {"apiKey.value": key}), "Deployment", RELEASE)
@@ -362,6 +383,9 @@ def test_cache_volume(objects, profile):
     ({"cache.type": "hostPath"}, "cache.type must be"),
     ({"apiKey.value": "a", "apiKey.existingSecret": "b"}, "not both"),
     ({"inferencePool.enabled": True, "inferencePool.endpointPicker.create": False}, "endpointPicker.serviceName"),
+    ({"launcher.metrics-auth": True}, "set apiKey.value or apiKey.existingSecret"),
+    ({"launcher.metrics-auth": True, "apiKey.value": "k", "inferencePool.enabled": True},
+     "the endpoint picker scrapes /metrics without the API key"),
 ])
 def test_inconsistent_values_are_refused(settings, message):
     out = template("default", settings)

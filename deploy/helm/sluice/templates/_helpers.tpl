@@ -40,6 +40,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- printf "%s-secrets" (include "sluice.fullname" .) -}}
 {{- end -}}
 
+{{/* The Secret that holds the API key: yours, or the chart's. */}}
+{{- define "sluice.apiKeySecretName" -}}
+{{- .Values.apiKey.existingSecret | default (include "sluice.secretName" .) -}}
+{{- end -}}
+
 {{- define "sluice.poolName" -}}
 {{- .Values.inferencePool.name | default (include "sluice.fullname" .) -}}
 {{- end -}}
@@ -156,5 +161,13 @@ true
 {{- end -}}
 {{- if and .Values.hfToken.value .Values.hfToken.existingSecret -}}
 {{- fail "hfToken: give value or existingSecret, not both" -}}
+{{- end -}}
+{{- if index .Values.launcher "metrics-auth" -}}
+{{- if not (or .Values.apiKey.value .Values.apiKey.existingSecret) -}}
+{{- fail "launcher.metrics-auth puts /metrics behind the API key: set apiKey.value or apiKey.existingSecret" -}}
+{{- end -}}
+{{- if .Values.inferencePool.enabled -}}
+{{- fail "launcher.metrics-auth with inferencePool.enabled: the endpoint picker scrapes /metrics without the API key and would see no pod's load" -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
