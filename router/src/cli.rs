@@ -310,6 +310,8 @@ fn spawn_batch_runner(state: &Arc<AppState>, capacity: usize) {
         capacity,
     );
     tokio::spawn(runner.run());
+}
+
 /// Which deadline the first steps get, and why: a longer one only while the
 /// shards may still compile kernels.
 fn log_step_deadline(deadline: &scheduler::StepDeadline) {
