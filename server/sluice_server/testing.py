@@ -32,8 +32,13 @@ def make_tiny_model(folder: Path, kind: str = "llama", seed: int = 0, **override
     window in every layer), "qwen3" (q/k norms, head_dim != hidden / heads,
     the second layer windowed), "gemma3" (a local and a global layer, linear
     rope on the global one, logit soft-capping), "phi3" (fused tensors,
-    LongRoPE past 8 positions, half the head rotated, a window of 16).
-    Norm weights are random too, so a norm that is not loaded, or loaded as
+    LongRoPE past 8 positions, half the head rotated, a window of 16),
+    "qwen3_moe" (8 experts, top 2, renormalized; head_dim 32), "mixtral" (4
+    experts, top 2, a window of 16), "gpt_oss" (4 experts, top 2, sinks,
+    biases, alternating windows of 8, YaRN over an original 16 positions,
+    the SwiGLU clamp at 1 so that it bites). Router weights are drawn with a
+    unit deviation, so top-k choices are not near ties that rounding could
+    flip. Norm weights are random too, so a norm that is not loaded, or loaded as
     the wrong variant, shows. `overrides` change TINY's sizes (and any other
     config field, e.g. vocab_size, bos_token_id). The weights depend only on
     the config and `seed`.
@@ -95,6 +100,31 @@ def make_tiny_model(folder: Path, kind: str = "llama", seed: int = 0, **override
             ), **args),
             tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
         )
+    elif kind == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(
+            **dict(dict(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                        norm_topk_prob=True), **args),
+            tie_word_embeddings=False,
+        )
+    elif kind == "mixtral":
+        config = transformers.MixtralConfig(
+            **dict(dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=16), **args),
+            tie_word_embeddings=False,
+        )
+    elif kind == "gpt_oss":
+        layers = args["num_hidden_layers"]
+        config = transformers.GptOssConfig(
+            **dict(dict(
+                head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                sliding_window=TINY_WINDOW, swiglu_limit=1.0,
+                layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+                rope_parameters={
+                    "rope_type": "yarn", "rope_theta": 150000.0, "factor": 16.0, "beta_fast": 32.0,
+                    "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16,
+                },
+            ), **args),
+            tie_word_embeddings=False,
+        )
     elif kind == "llama":
         config = transformers.LlamaConfig(**args, tie_word_embeddings=False)
     else:
@@ -107,6 +137,10 @@ def make_tiny_model(folder: Path, kind: str = "llama", seed: int = 0, **override
                 p.normal_(0, 0.5)
             elif name.endswith("norm.weight"):
                 p.add_(torch.randn_like(p) * 0.2)
+            elif name.endswith(("router.weight", "mlp.gate.weight", "sinks")):
+                p.normal_(0, 1)
+            elif kind == "gpt_oss" and ".experts." in name:
+                p.mul_(10)
     model.save_pretrained(folder)
     return folder
 

@@ -26,6 +26,15 @@ the last W of those keys, its own included:
 
 The cache still holds every block of the sequence (other layers of the same
 model may be global); only the backends' reads change.
+
+A layer with attention sinks (gpt-oss: `LayerAttention.sinks`, one learned
+logit per query head) adds one more term to each softmax's denominator, a
+key that every query sees and whose value is zero:
+
+    p_j = e^(s_j) / (sum_i e^(s_i) + e^(sink_h))      out = sum_j p_j v_j
+
+so a head can attend to "nothing" and its weights over the real keys may sum
+to less than one.
 """
 
 from __future__ import annotations
@@ -72,10 +81,14 @@ class LayerAttention:
     sliding_window: None (global attention), or W: the token at position p
         sees the keys at positions [max(0, p - W + 1), p], W keys counting its
         own (transformers' `sliding_window`; Mistral, Gemma 3's local layers).
+    sinks: None, or [Hq] float (this rank's query heads): each head's sink
+        logit (module docstring). The layer's parameter itself, so it holds
+        the loaded values.
     """
 
     scale: float | None = None
     sliding_window: int | None = None
+    sinks: torch.Tensor | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -105,6 +118,8 @@ class AttentionBackend(ABC):
     # specialization (Triton's JIT): steps after warmup may then stall on
     # compilation, and the shard says so in its WarmupResponse.
     compiles_lazily: bool = False
+    # Whether `forward` applies LayerAttention.sinks (gpt-oss).
+    supports_sinks: bool = False
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Called once per step before the layers run; may fill meta.backend_state."""

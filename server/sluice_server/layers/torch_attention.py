@@ -26,6 +26,23 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> t
     return blocks.view(b, nb * bs, heads, dim)[:, :length].transpose(1, 2)
 
 
+def attend_with_sinks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention whose softmax has one more term per head, e^sink (see
+    attention.py), computed eagerly as transformers' gpt-oss does (SDPA has
+    no such term). q [..., Hkv, G, L, D], k/v [..., Hkv, 1, S, D], visible
+    bool broadcastable to [..., Hkv, G, L, S], sinks [Hkv * G]."""
+    hkv, g = q.shape[-4], q.shape[-3]
+    scores = (q @ k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~visible, float("-inf"))
+    sink = sinks.to(scores.dtype).view(hkv, g, 1, 1).expand(*scores.shape[:-1], 1)
+    logits = torch.cat([scores, sink], dim=-1)
+    logits = logits - logits.amax(dim=-1, keepdim=True)
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    return probs.to(v.dtype) @ v
+
+
 def visible_keys(positions: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor:
     """[L] query positions -> [L, num_keys] bool: key j is visible to query i
     when j <= positions[i] (causal) and, with a window W, j > positions[i] - W."""
@@ -57,9 +74,12 @@ class TorchAttention(AttentionBackend):
 
     Sliding-window layers use the same calls with the window folded into the
     masks; those masks are built once per step and window, on first use.
+    Layers with attention sinks (gpt-oss) take `attend_with_sinks` instead
+    of SDPA, over the same keys and masks.
     """
 
     name = "torch"
+    supports_sinks = True
 
     def __init__(self, cpu_kernels: bool = False):
         # On CPU, float32 decodes and the small ops go through the C++
@@ -126,6 +146,8 @@ class TorchAttention(AttentionBackend):
         group = num_q_heads // num_kv_heads
         out = torch.empty_like(q)
         nd = meta.num_decodes
+        if layer.sinks is not None:
+            return self._forward_with_sinks(q, k, v, k_cache, v_cache, state, nd, layer, out)
         if nd and self._use_kernel(q, k_cache):
             cpu_kernel_loader.paged_decode_attention(
                 out[:nd], q[:nd], k_cache, v_cache, state["decode_tables"], meta.seq_lens[:nd],
@@ -154,3 +176,33 @@ class TorchAttention(AttentionBackend):
             )
             out[start:end] = o.transpose(0, 1)
         return out
+
+    def _forward_with_sinks(self, q, k, v, k_cache, v_cache, state, nd, layer, out):
+        """The same reads as `forward`, through attend_with_sinks."""
+        num_q_heads, dim = q.shape[1], q.shape[2]
+        num_kv_heads = k.shape[1]
+        group = num_q_heads // num_kv_heads
+        scale = dim**-0.5 if layer.scale is None else layer.scale
+        if nd:
+            tables, length = state["decode_tables"], state["decode_len"]
+            keys = gather_kv(k_cache, tables, length).to(q.dtype).unsqueeze(2)
+            values = gather_kv(v_cache, tables, length).to(q.dtype).unsqueeze(2)
+            queries = q[:nd].view(nd, num_kv_heads, group, 1, dim)
+            visible = state["decode_mask"].view(nd, 1, 1, 1, length)
+            o = attend_with_sinks(queries, keys, values, visible, layer.sinks, scale)
+            out[:nd] = o.reshape(nd, num_q_heads, dim)
+        for start, q_len, seq_len, tables, mask in state["prefills"]:
+            end = start + q_len
+            queries = q[start:end].view(q_len, num_kv_heads, group, dim).permute(1, 2, 0, 3)
+            if tables is None:
+                keys = k[start:end].to(k_cache.dtype).to(q.dtype).transpose(0, 1)
+                values = v[start:end].to(v_cache.dtype).to(q.dtype).transpose(0, 1)
+                if mask is None:
+                    mask = visible_keys(torch.arange(q_len, device=q.device), q_len, None)
+            else:
+                keys = gather_kv(k_cache, tables, seq_len)[0].to(q.dtype)
+                values = gather_kv(v_cache, tables, seq_len)[0].to(q.dtype)
+            o = attend_with_sinks(queries, keys.unsqueeze(1), values.unsqueeze(1), mask, layer.sinks, scale)
+            out[start:end] = o.permute(2, 0, 1, 3).reshape(q_len, num_q_heads, dim)
+        return out
+

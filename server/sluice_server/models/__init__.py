@@ -11,16 +11,28 @@ rank's tensor-parallel slice.
     qwen3               models/qwen3.py      per-head q/k RMSNorm
     phi3                models/phi3.py       fused checkpoint tensors, LongRoPE
     gemma3_text         models/gemma3.py     (1 + w) norms, GELU, local/global layers
+    qwen3_moe           models/qwen3_moe.py  Qwen3 attention, expert MLPs (layers/moe.py)
+    mixtral             models/mixtral.py    Mistral attention, expert MLPs
+    gpt_oss             models/gpt_oss.py    attention sinks, biases, alternating windows,
+                                             clamped-SwiGLU experts (MXFP4 checkpoints too)
 
 A fast path lives beside the model it speeds up: models/llama_cpu_decoder.py
 runs the Llama model's decode steps on CPU in one C++ call (the model runner
 picks the steps). Models import layers and kernels, never the batch or the
 servicer above them.
+
+Checkpoint names map to parameters in three steps (`_target`): the family's
+`checkpoint_renames` (Mixtral's block_sparse_moe -> mlp), then one expert's
+tensor (`...experts.<e>.<projection>`) to its slot in the layer's stacked
+expert weights (the family's `expert_projections`), or a fused layer's piece
+(`packed_modules`: q/k/v -> qkv_proj). A family with other layouts (gpt-oss's
+stacked experts) adds a `checkpoint_target` hook, consulted first.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -31,18 +43,27 @@ from safetensors import safe_open
 from sluice_server.distributed import Distributed
 from sluice_server.layers.attention import AttentionBackend
 from sluice_server.models.gemma3 import Gemma3ForCausalLM
+from sluice_server.models.gpt_oss import GptOssForCausalLM
 from sluice_server.models.llama import LlamaForCausalLM
+from sluice_server.models.mixtral import MixtralForCausalLM
 from sluice_server.models.phi3 import Phi3ForCausalLM
 from sluice_server.models.qwen3 import Qwen3ForCausalLM
+from sluice_server.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_FAMILIES: dict[str, type[nn.Module]] = {
     "gemma3_text": Gemma3ForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
+    "mixtral": MixtralForCausalLM,
     "phi3": Phi3ForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": Qwen3ForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
 }
+
+# One expert's tensor in a checkpoint that stores experts one by one.
+EXPERT_TENSOR = re.compile(r"^(?P<layer>.+)\.experts\.(?P<expert>\d+)\.(?P<proj>[^.]+)\.(?P<kind>weight|bias)$")
 
 
 def model_class(model_type: str) -> type[nn.Module]:
@@ -89,7 +110,19 @@ def _confined(name: str, index: Path) -> str:
 
 
 def _target(model: nn.Module, name: str) -> tuple[str, int]:
-    """Checkpoint tensor name -> (our parameter name, piece index of a fused layer)."""
+    """Checkpoint tensor name -> (our parameter name, piece index of a fused
+    layer or of stacked experts). The steps are in the module docstring."""
+    for old, new in getattr(model, "checkpoint_renames", {}).items():
+        name = name.replace(old, new)
+    hook = getattr(model, "checkpoint_target", None)
+    found = hook(name) if hook is not None else None
+    if found is not None:
+        return found
+    expert = EXPERT_TENSOR.match(name)
+    projections = getattr(model, "expert_projections", {})
+    if expert and expert["proj"] in projections:
+        param, piece, per_expert = projections[expert["proj"]]
+        return f"{expert['layer']}.{param}_{expert['kind']}", int(expert["expert"]) * per_expert + piece
     parts = name.split(".")
     if len(parts) >= 2 and parts[-2] in model.packed_modules:
         fused, shard_id = model.packed_modules[parts[-2]]

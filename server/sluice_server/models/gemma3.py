@@ -67,7 +67,7 @@ class Gemma3Config(LlamaConfig):
         bias = bool(c.get("attention_bias", False))
         rope, rope_local = gemma3_rope(c)
         return cls(
-            **model_shape(c, head_dim=256, max_position_embeddings=131072),
+            **model_shape(c, head_dim=256, max_position_embeddings=131072, rope=rope),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", True)),
             qkv_bias=bias,
             o_bias=bias,

@@ -16,7 +16,9 @@ attention backend.
 
 Variants whose layers differ in a few lines subclass the pieces here:
 Qwen3 (models/qwen3.py: per-head q/k norms) and Phi-3 (models/phi3.py: fused
-checkpoint tensors, LongRoPE, partial rotary).
+checkpoint tensors, LongRoPE, partial rotary). The mixture-of-experts
+families (models/qwen3_moe.py, mixtral.py, gpt_oss.py) replace the MLP of
+their layers (`LlamaDecoderLayer.feed_forward`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from sluice_server.layers.attention import AttentionBackend, AttentionMetadata, 
 from sluice_server.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from sluice_server.layers.linear import ColumnParallelLinear, RowParallelLinear
 from sluice_server.layers.norm import RMSNorm
-from sluice_server.layers.rotary import RotaryEmbedding, RotaryTables, rope_parameters
+from sluice_server.layers.rotary import RotaryEmbedding, RotaryTables, context_length, rope_parameters
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ class LlamaConfig:
         qwen = c["model_type"] == "qwen2"
         attention_bias = bool(c.get("attention_bias", False))
         return cls(
-            **model_shape(c, head_dim=c["hidden_size"] // c["num_attention_heads"], max_position_embeddings=2048),
+            **model_shape(c, c["hidden_size"] // c["num_attention_heads"], max_position_embeddings=2048, rope=rope),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             qkv_bias=qwen or attention_bias,
             o_bias=attention_bias and not qwen,
@@ -76,10 +78,17 @@ class LlamaConfig:
         )
 
 
-def model_shape(c: dict[str, Any], head_dim: int, max_position_embeddings: int) -> dict[str, Any]:
+def model_shape(
+    c: dict[str, Any], head_dim: int, max_position_embeddings: int, rope: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The config.json sizes every family reads the same way; `head_dim` and
-    `max_position_embeddings` are the family's defaults where the file has none."""
+    `max_position_embeddings` are the family's defaults where the file has none.
+    With `rope`, the served length follows its scaling (rotary.context_length:
+    yarn and dynamic extend it)."""
     heads = c["num_attention_heads"]
+    max_len = c.get("max_position_embeddings") or max_position_embeddings
+    if rope is not None:
+        max_len = context_length(rope, max_len)
     return dict(
         model_type=c["model_type"],
         vocab_size=c["vocab_size"],
@@ -90,26 +99,33 @@ def model_shape(c: dict[str, Any], head_dim: int, max_position_embeddings: int) 
         num_key_value_heads=c.get("num_key_value_heads") or heads,
         head_dim=c.get("head_dim") or head_dim,
         rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-        max_position_embeddings=c.get("max_position_embeddings", max_position_embeddings),
+        max_position_embeddings=max_len,
     )
+
+
+# Families whose `sliding_window` applies to every layer.
+EVERY_LAYER_WINDOW = ("mistral", "phi3", "mixtral", "qwen3_moe")
 
 
 def sliding_windows(c: dict[str, Any]) -> tuple[int | None, ...]:
     """Each layer's sliding window, as transformers reads these configs:
 
-        mistral, phi3   every layer, when `sliding_window` is set
+        mistral, phi3,  every layer, when `sliding_window` is set
+        mixtral
+        qwen3_moe       every layer, with `use_sliding_window`
         qwen2, qwen3    only with `use_sliding_window`: the layers `layer_types`
                         marks "sliding_attention", else those >= max_window_layers
+        gpt_oss         the layers `layer_types` marks "sliding_attention"
         llama           none
     """
     n = c["num_hidden_layers"]
     window = c.get("sliding_window")
     family = c["model_type"]
-    if family in ("qwen2", "qwen3") and not c.get("use_sliding_window", False):
+    if family in ("qwen2", "qwen3", "qwen3_moe") and not c.get("use_sliding_window", False):
         window = None
-    if window is None or family not in ("mistral", "phi3", "qwen2", "qwen3"):
+    if window is None or family not in EVERY_LAYER_WINDOW + ("qwen2", "qwen3", "gpt_oss"):
         return (None,) * n
-    if family in ("mistral", "phi3"):
+    if family in EVERY_LAYER_WINDOW:
         return (int(window),) * n
     types = c.get("layer_types") or [
         "sliding_attention" if i >= c.get("max_window_layers", 28) else "full_attention" for i in range(n)
@@ -221,7 +237,11 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.ops)
         self.self_attn = attention_cls(cfg, dist, backend, index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.ops)
-        self.mlp = LlamaMLP(cfg, dist, backend)
+        self.mlp = self.feed_forward(cfg, dist, backend, index)
+
+    def feed_forward(self, cfg: LlamaConfig, dist: Distributed, backend: AttentionBackend, index: int) -> nn.Module:
+        """This layer's MLP (`self.mlp`): what the mixture-of-experts families change."""
+        return LlamaMLP(cfg, dist, backend)
 
     def forward(self, x, residual, rotary, k_cache, v_cache, meta):
         h, residual = self.input_layernorm(x, residual)
@@ -231,11 +251,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: LlamaConfig, dist: Distributed, backend: AttentionBackend, attention_cls):
+    def __init__(
+        self, cfg: LlamaConfig, dist: Distributed, backend: AttentionBackend, attention_cls, layer_cls=LlamaDecoderLayer
+    ):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dist)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, dist, backend, i, attention_cls) for i in range(cfg.num_hidden_layers)
+            layer_cls(cfg, dist, backend, i, attention_cls) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.ops)
 
@@ -251,9 +273,15 @@ class LlamaForCausalLM(nn.Module):
     }
     # Checkpoint tensors with no parameter here (buffers some exporters save).
     ignored_suffixes = ("rotary_emb.inv_freq",)
-    # What a variant changes (models/qwen3.py, models/phi3.py, models/gemma3.py).
+    # Checkpoint name fragments renamed before anything else (a family whose
+    # modules are named otherwise in its checkpoints, e.g. Mixtral's
+    # block_sparse_moe): {checkpoint fragment: ours}.
+    checkpoint_renames: dict[str, str] = {}
+    # What a variant changes (models/qwen3.py, models/phi3.py, models/gemma3.py,
+    # the mixture-of-experts families).
     config_cls = LlamaConfig
     attention_cls = LlamaAttention
+    layer_cls = LlamaDecoderLayer
 
     def __init__(self, config: dict[str, Any], dist: Distributed, backend: AttentionBackend):
         super().__init__()
@@ -269,7 +297,7 @@ class LlamaForCausalLM(nn.Module):
 
     def decoder(self, cfg: LlamaConfig, dist: Distributed, backend: AttentionBackend) -> nn.Module:
         """`self.model`: the embedding, the decoder layers and the final norm."""
-        return LlamaModel(cfg, dist, backend, self.attention_cls)
+        return LlamaModel(cfg, dist, backend, self.attention_cls, self.layer_cls)
 
     def forward(
         self,

@@ -1,0 +1,277 @@
+"""The mixture-of-experts MLP: a router picks k of E expert MLPs per token.
+
+    logits = x W_router^T (+ b)                            [T, E]
+    weights, ids = top-k of the routing (per family, below) [T, k]
+    y[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t])
+    expert_e(x) = down_e(act(gate_e(x), up_e(x))) (+ biases)
+
+Routing, as each family's transformers model computes it:
+
+    softmax_topk   p = softmax(logits) in float32, keep the k largest;
+                   renormalize: divide them by their sum      (Qwen3-MoE with
+                   norm_topk_prob, Mixtral always)
+    topk_softmax   keep the k largest logits, softmax over them (gpt-oss)
+
+Activations: `silu` (SwiGLU: silu(gate) * up), `swiglu_oai` (gpt-oss:
+gate clamped above at `limit`, up clamped to [-limit, limit],
+(up + 1) * gate * sigmoid(alpha * gate)).
+
+Tokens are grouped by expert so each selected expert's weights are read
+once per step, whatever the number of tokens that chose it; experts no
+token chose are not touched:
+
+    slots  (t, j) for t < T, j < k        ids[t, j] = expert of slot j
+    order  the T*k slots sorted by expert (stable), so expert e owns rows
+           [offsets[e], offsets[e + 1]) of the gathered input x[order // k]
+
+    expert   0        1     2            (E = 4; expert 3 chose no token)
+    rows   | t0 t3 | t1 | t0 t2 t3 |     offsets = [0, 2, 3, 6, 6]
+
+The grouped matmuls (`grouped_experts`) run over those runs; each slot's
+output is weighted and summed back per token in ascending expert order, the
+order transformers adds them in. The activation memory is that of T*k rows
+however the tokens are routed, so the warmup step measures the worst case.
+
+Tensor parallelism splits every expert's intermediate dimension, as the
+dense MLP's (each rank holds rows [rank * I/N, (rank + 1) * I/N) of every
+expert's gate and up and those columns of its down): one all-reduce per
+layer, the router and the down biases whole on every rank (the bias added
+on rank 0 only, before the reduction).
+
+Weights, per layer (this rank's slice; I_r = intermediate_size / world):
+
+    router.weight   [E, H]            router.bias  [E]          (router_bias)
+    w13_weight      [E, 2 I_r, H]     rows [gate | up] of each expert
+    w2_weight       [E, H, I_r]
+    w13_bias        [E, 2 I_r]        w2_bias      [E, H]        (expert_bias)
+
+Checkpoints store them one tensor per expert and projection (Qwen3-MoE's
+`experts.{e}.gate_proj`, Mixtral's `experts.{e}.w1`), or stacked (gpt-oss's
+`experts.gate_up_proj`, transposed with gate and up interleaved, optionally
+as MXFP4 blocks); each family's model maps its names onto the loaders here
+(`load_expert` for one expert's tensor as stored, `load_whole_expert_`
+for one a family has converted to this layout).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sluice_server.distributed import Distributed, shard_range
+
+SOFTMAX_TOPK = "softmax_topk"
+TOPK_SOFTMAX = "topk_softmax"
+ACTIVATIONS = ("silu", "swiglu_oai")
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    # Each expert's intermediate size (whole, before the tensor-parallel split).
+    intermediate_size: int
+    scoring: str = SOFTMAX_TOPK
+    # softmax_topk only: divide the k kept probabilities by their sum.
+    renormalize: bool = True
+    router_bias: bool = False
+    expert_bias: bool = False
+    activation: str = "silu"
+    # swiglu_oai's constants (gpt-oss: alpha 1.702, limit 7).
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+
+    def __post_init__(self):
+        if self.scoring not in (SOFTMAX_TOPK, TOPK_SOFTMAX):
+            raise ValueError(f"expert scoring {self.scoring!r} is not supported ({SOFTMAX_TOPK}, {TOPK_SOFTMAX})")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"expert activation {self.activation!r} is not supported ({', '.join(ACTIVATIONS)})")
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.top_k} must be in [1, num_experts={self.num_experts}]")
+
+    @property
+    def expert_parameters(self) -> int:
+        """Weights (and biases) of one whole expert."""
+        h, i = self.hidden_size, self.intermediate_size
+        return 3 * h * i + (2 * i + h if self.expert_bias else 0)
+
+
+def route(logits: torch.Tensor, spec: MoESpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> (weights [T, k], expert ids [T, k] int64), each row's
+    slots in ascending expert order (the order their outputs are summed in)."""
+    if spec.scoring == SOFTMAX_TOPK:
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, spec.top_k, dim=-1)
+        if spec.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(logits.dtype)
+    else:
+        top, ids = torch.topk(logits, spec.top_k, dim=-1)
+        weights = torch.softmax(top, dim=-1, dtype=top.dtype)
+    ids, slot_order = ids.sort(dim=-1)
+    return weights.gather(-1, slot_order), ids
+
+
+@dataclass
+class ExpertGroups:
+    """A step's T*k (token, slot) pairs grouped by expert (the picture in the
+    module docstring)."""
+
+    # [T*k] int64: the slots (t * k + j) in expert order.
+    order: torch.Tensor
+    # [T*k] int64: the token of each row, order // k.
+    tokens: torch.Tensor
+    # [E + 1] int64 on the host: expert e's rows are [offsets[e], offsets[e + 1]).
+    offsets: list[int]
+
+    def active(self) -> list[tuple[int, int, int]]:
+        """(expert, first row, end row) of each expert that has rows."""
+        o = self.offsets
+        return [(e, o[e], o[e + 1]) for e in range(len(o) - 1) if o[e + 1] > o[e]]
+
+
+def group_by_expert(ids: torch.Tensor, num_experts: int) -> ExpertGroups:
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    offsets = [0] + torch.cumsum(counts, 0).tolist()
+    return ExpertGroups(order, order // ids.shape[1], offsets)
+
+
+def activate(h: torch.Tensor, spec: MoESpec) -> torch.Tensor:
+    """[R, 2 I] (gate | up) -> [R, I]."""
+    gate, up = h.chunk(2, dim=-1)
+    if spec.activation == "silu":
+        return F.silu(gate) * up
+    limit = spec.swiglu_limit
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * spec.swiglu_alpha))
+
+
+def combine(rows: torch.Tensor, groups: ExpertGroups, weights: torch.Tensor) -> torch.Tensor:
+    """rows [T*k, H] in expert order -> [T, H]: each token's k outputs times
+    their weights, added in slot (= ascending expert) order."""
+    t, k = weights.shape
+    per_slot = torch.empty_like(rows)
+    per_slot[groups.order] = rows
+    per_slot = per_slot.view(t, k, -1) * weights.unsqueeze(-1).to(rows.dtype)
+    out = per_slot[:, 0].clone()
+    for j in range(1, k):
+        out += per_slot[:, j]
+    return out
+
+
+def grouped_experts_reference(
+    x: torch.Tensor,
+    groups: ExpertGroups,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    b13: torch.Tensor | None,
+    b2: torch.Tensor | None,
+    spec: MoESpec,
+) -> torch.Tensor:
+    """The grouped expert MLP in plain torch, one matmul pair per expert
+    with rows: x [T, H] -> [T*k, H] in expert order (not yet weighted).
+    The kernels (C++ on CPU, Triton on CUDA) compute the same."""
+    xs = x[groups.tokens]
+    out = torch.empty(xs.shape[0], w2.shape[1], dtype=x.dtype, device=x.device)
+    for e, start, end in groups.active():
+        h = F.linear(xs[start:end], w13[e], None if b13 is None else b13[e])
+        out[start:end] = F.linear(activate(h, spec), w2[e], None if b2 is None else b2[e])
+    return out
+
+
+class FusedMoE(nn.Module):
+    """The expert MLP of one layer (module docstring): router, grouped
+    experts, one all-reduce."""
+
+    def __init__(self, spec: MoESpec, dist: Distributed):
+        super().__init__()
+        self.spec = spec
+        self.dist = dist
+        e, h, i = spec.num_experts, spec.hidden_size, spec.intermediate_size
+        # shard_range raises when the intermediate size does not split evenly.
+        self.first, self.last = shard_range(i, dist)
+        local = self.last - self.first
+        self.router = nn.Module()
+        self.router.weight = _param(torch.empty(e, h), self._load_whole)
+        self.router.bias = _param(torch.empty(e), self._load_whole) if spec.router_bias else None
+        self.w13_weight = _param(torch.empty(e, 2 * local, h), self.load_expert, pieces=2 * e)
+        self.w2_weight = _param(torch.empty(e, h, local), self.load_expert, pieces=e)
+        if spec.expert_bias:
+            self.w13_bias = _param(torch.empty(e, 2 * local), self.load_expert, pieces=2 * e)
+            self.w2_bias = _param(torch.empty(e, h), self.load_expert, pieces=e)
+        else:
+            self.w13_bias = self.w2_bias = None
+
+    # -- loading -----------------------------------------------------------
+
+    @staticmethod
+    def _load_whole(param: nn.Parameter, checkpoint, shard_id: int = 0) -> None:
+        if tuple(checkpoint.get_shape()) != tuple(param.shape):
+            raise ValueError(f"router tensor: checkpoint shape {tuple(checkpoint.get_shape())} != {tuple(param.shape)}")
+        param.data.copy_(checkpoint[:])
+
+    def load_expert(self, param: nn.Parameter, checkpoint, shard_id: int) -> None:
+        """One expert's gate, up or down tensor (or bias), as most checkpoints
+        store them. shard_id: expert * 2 + (0 gate, 1 up) for w13, the
+        expert for w2."""
+        local = self.last - self.first
+        h, i = self.spec.hidden_size, self.spec.intermediate_size
+        shape = tuple(checkpoint.get_shape())
+        if param is self.w13_weight or param is self.w13_bias:
+            expert, piece = divmod(shard_id, 2)
+            want = (i, h) if param.dim() == 3 else (i,)
+            _check(shape, want, "expert gate/up")
+            param.data[expert, piece * local : (piece + 1) * local].copy_(checkpoint[self.first : self.last])
+        elif param is self.w2_weight:
+            _check(shape, (h, i), "expert down")
+            param.data[shard_id].copy_(checkpoint[:, self.first : self.last])
+        else:  # w2_bias: whole on every rank, added on rank 0 only
+            _check(shape, (h,), "expert down bias")
+            param.data[shard_id].copy_(checkpoint[:])
+
+    def load_whole_expert_(self, param: nn.Parameter, expert: int, whole: torch.Tensor) -> None:
+        """One expert's tensor in our layout but whole (every rank's part):
+        w13 [2 I, H] ([gate | up] rows), w2 [H, I], w13 bias [2 I], w2 bias
+        [H]; this rank keeps its slice. For checkpoints that store experts
+        otherwise (gpt-oss's stacked, transposed, interleaved ones), the
+        family converts each expert and hands it here."""
+        i = self.spec.intermediate_size
+        if param is self.w13_weight or param is self.w13_bias:
+            mine = torch.cat([whole[self.first : self.last], whole[i + self.first : i + self.last]])
+        elif param is self.w2_weight:
+            mine = whole[:, self.first : self.last]
+        else:
+            mine = whole
+        if mine.shape != param.shape[1:]:
+            raise ValueError(f"expert tensor of shape {tuple(whole.shape)} does not fit {tuple(param.shape)}")
+        param.data[expert].copy_(mine)
+
+    # -- forward -----------------------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H], summed over the tensor-parallel ranks."""
+        logits = F.linear(x, self.router.weight, self.router.bias)
+        weights, ids = route(logits, self.spec)
+        groups = group_by_expert(ids, self.spec.num_experts)
+        b2 = self.w2_bias if self.dist.rank == 0 else None
+        rows = grouped_experts_reference(x, groups, self.w13_weight, self.w2_weight, self.w13_bias, b2, self.spec)
+        return self.dist.all_reduce(combine(rows, groups, weights))
+
+
+def _param(t: torch.Tensor, loader, pieces: int = 1) -> nn.Parameter:
+    p = nn.Parameter(t, requires_grad=False)
+    p.weight_loader = loader
+    p.num_pieces = pieces
+    return p
+
+
+def _check(got, want, what: str) -> None:
+    if tuple(got) != tuple(want):
+        raise ValueError(f"{what}: checkpoint shape {tuple(got)} != expected {tuple(want)}")
