@@ -14,7 +14,7 @@ from sluice_server.models import model_class
 from conftest import Driver, make_tiny_model, reference_logits
 
 ATOL = 1e-4
-KINDS = ["llama", "qwen2", "tied", "mha", "llama3", "mistral", "qwen3", "gemma3", "phi3"]
+KINDS = ["llama", "qwen2", "tied", "mha", "llama3", "mistral", "qwen3", "gemma3", "phi3", "qwen3_moe", "mixtral", "gpt_oss"]
 
 
 def prompt(length: int, seed: int) -> list[int]:
@@ -103,7 +103,9 @@ def test_mixed_batch(model):
 
 
 def test_unsupported_model_type_names_supported():
-    with pytest.raises(ValueError, match="supported: gemma3_text, llama, mistral, phi3, qwen2, qwen3"):
+    with pytest.raises(
+        ValueError, match="supported: gemma3_text, gpt_oss, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe"
+    ):
         model_class("gpt2")
 
 

@@ -94,8 +94,13 @@ def test_tiny_models_agree_over_1_2_3_shards(tmp_path, name):
 # allow (4 query heads: 2 and 4; 6 query / 3 key-value heads: 3; 6 / 2: 2);
 # the 10-token prompt is longer than the 8-token sliding windows (Phi-3's is 16;
 # its LongRoPE runs the long factors past 8 positions). Gemma 3's one
-# key-value head is copied on every shard.
+# key-value head is copied on every shard. The mixtures of experts split each
+# expert's intermediate size (Qwen3-MoE's 32 over 4: 8 rows each), gpt-oss
+# its sinks with the query heads.
 FAMILIES = {
+    "qwen3_moe": (dict(num_attention_heads=4, num_key_value_heads=2), (2, 4)),
+    "mixtral": (dict(num_attention_heads=4, num_key_value_heads=2), (2,)),
+    "gpt_oss": (dict(num_attention_heads=4, num_key_value_heads=2), (2, 4)),
     "qwen3": (dict(num_attention_heads=4, num_key_value_heads=2), (2, 4)),
     "gemma3": (dict(num_attention_heads=4, num_key_value_heads=1), (2, 4)),
     "phi3": (dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=96), (3,)),

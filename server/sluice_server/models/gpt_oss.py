@@ -51,16 +51,16 @@ from torch import nn
 from sluice_server.distributed import shard_range
 from sluice_server.layers.attention import LayerAttention
 from sluice_server.layers.moe import TOPK_SOFTMAX, FusedMoE, MoESpec
-from sluice_server.models.llama import LlamaAttention, LlamaConfig, LlamaDecoderLayer, LlamaForCausalLM, model_shape
 from sluice_server.layers.rotary import rope_parameters
+from sluice_server.models.llama import LlamaAttention, LlamaForCausalLM, model_shape
+from sluice_server.models.qwen3_moe import MoEConfig, MoEDecoderLayer
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 @dataclass(frozen=True)
-class GptOssConfig(LlamaConfig):
-    moe: MoESpec
+class GptOssConfig(MoEConfig):
     # The checkpoint's experts are MXFP4 blocks.
     mxfp4: bool
 
@@ -94,6 +94,7 @@ class GptOssConfig(LlamaConfig):
                 swiglu_alpha=float(c.get("swiglu_alpha", 1.702)),
                 swiglu_limit=float(c.get("swiglu_limit", 7.0)),
             ),
+            moe_layers=(True,) * n,
             mxfp4=quant == "mxfp4",
         )
 
@@ -119,11 +120,6 @@ class GptOssAttention(LlamaAttention):
         param.data.copy_(checkpoint[self.head_first : self.head_last])
 
 
-class GptOssDecoderLayer(LlamaDecoderLayer):
-    def feed_forward(self, cfg: GptOssConfig, dist, backend, index) -> nn.Module:
-        return FusedMoE(cfg.moe, dist)
-
-
 # Stacked expert tensors: (layer prefix, projection, what follows).
 STACKED = re.compile(r"^(?P<layer>.+\.mlp)\.experts\.(?P<proj>gate_up_proj|down_proj)(?P<suffix>_bias|_blocks|_scales)?$")
 
@@ -131,7 +127,7 @@ STACKED = re.compile(r"^(?P<layer>.+\.mlp)\.experts\.(?P<proj>gate_up_proj|down_
 class GptOssForCausalLM(LlamaForCausalLM):
     config_cls = GptOssConfig
     attention_cls = GptOssAttention
-    layer_cls = GptOssDecoderLayer
+    layer_cls = MoEDecoderLayer
 
     def __init__(self, config: dict[str, Any], dist, backend):
         super().__init__(config, dist, backend)

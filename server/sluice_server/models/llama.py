@@ -135,8 +135,8 @@ def sliding_windows(c: dict[str, Any]) -> tuple[int | None, ...]:
 
 def check_tensor_parallel(cfg: LlamaConfig, world_size: int) -> None:
     """Raises one clear error, naming the numbers, when the model does not
-    split evenly over `world_size` shards: query heads and the MLP width must
-    divide; key/value heads must divide, or divide the shard count (then each
+    split evenly over `world_size` shards: query heads and the MLP width (each
+    expert's, for mixtures of experts) must divide; key/value heads must divide, or divide the shard count (then each
     is replicated on world_size / num_kv_heads shards)."""
     problems = []
     if cfg.num_attention_heads % world_size:
@@ -144,8 +144,13 @@ def check_tensor_parallel(cfg: LlamaConfig, world_size: int) -> None:
     kv = cfg.num_key_value_heads
     if kv % world_size and world_size % kv:
         problems.append(f"num_key_value_heads={kv} neither divides nor is divisible by {world_size}")
-    if cfg.intermediate_size % world_size:
+    # Mixture-of-experts configs (models/qwen3_moe.py) say which layers keep a dense MLP.
+    dense_layers = not all(getattr(cfg, "moe_layers", (False,)))
+    if dense_layers and cfg.intermediate_size % world_size:
         problems.append(f"intermediate_size={cfg.intermediate_size} is not divisible by {world_size}")
+    moe = getattr(cfg, "moe", None)
+    if moe is not None and moe.intermediate_size % world_size:
+        problems.append(f"the experts' intermediate size {moe.intermediate_size} is not divisible by {world_size}")
     if problems:
         raise ValueError(f"the model cannot be split over {world_size} shards: " + "; ".join(problems))
 
