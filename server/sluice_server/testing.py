@@ -33,6 +33,7 @@ def make_tiny_model(folder: Path, kind: str = "llama", seed: int = 0, **override
     the second layer windowed), "gemma3" (a local and a global layer, linear
     rope on the global one, logit soft-capping), "phi3" (fused tensors,
     LongRoPE past 8 positions, half the head rotated, a window of 16),
+    "yarn" (Qwen3 with YaRN over an original 16 positions, factor 16),
     "qwen3_moe" (8 experts, top 2, renormalized; head_dim 32), "mixtral" (4
     experts, top 2, a window of 16), "gpt_oss" (4 experts, top 2, sinks,
     biases, alternating windows of 8, YaRN over an original 16 positions,
@@ -99,6 +100,13 @@ def make_tiny_model(folder: Path, kind: str = "llama", seed: int = 0, **override
                 },
             ), **args),
             tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        )
+    elif kind == "yarn":
+        config = transformers.Qwen3Config(
+            **dict(dict(head_dim=32, rope_parameters={
+                "rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0, "original_max_position_embeddings": 16,
+            }), **args),
+            tie_word_embeddings=False,
         )
     elif kind == "qwen3_moe":
         config = transformers.Qwen3MoeConfig(
@@ -189,3 +197,48 @@ def fidelity(logits, reference, tokens: list[int]) -> dict[str, float]:
         "top1": agree, "ppl": math.exp(nll), "logit_error": rel.mean().item(),
         "worst_logit_error": rel.max().item(), "worst_row": int(rel.argmax()),
     }
+
+
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def quantize_mxfp4(weight) -> tuple:
+    """weight [..., K] (K a multiple of 32) -> (blocks [..., K/32, 16] uint8,
+    scales [..., K/32] uint8): per block of 32 the smallest power of two that
+    brings it within FP4's +-6, each value rounded to the nearest FP4 code,
+    two codes a byte, the earlier in the low nibble (gpt-oss's layout)."""
+    import torch
+
+    w = weight.float().reshape(*weight.shape[:-1], -1, 32)
+    amax = w.abs().amax(-1).clamp(min=2.0**-126)
+    exponents = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    lut = torch.tensor(FP4_VALUES)
+    scaled = w / torch.exp2(exponents).unsqueeze(-1)
+    codes = (scaled.unsqueeze(-1) - lut).abs().argmin(-1).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exponents + 127).to(torch.uint8)
+
+
+def to_mxfp4_checkpoint(folder: Path) -> Path:
+    """Rewrites a saved gpt-oss folder (make_tiny_model "gpt_oss") as the
+    released checkpoints are: expert weights as MXFP4 blocks and scales
+    (rows not transposed), `quantization_config` naming mxfp4."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = load_file(str(path))
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = quantize_mxfp4(tensors.pop(name).transpose(1, 2).contiguous())
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks.contiguous(), scales.contiguous()
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+                                   "lm_head"],
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder

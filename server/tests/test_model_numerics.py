@@ -14,7 +14,8 @@ from sluice_server.models import model_class
 from conftest import Driver, make_tiny_model, reference_logits
 
 ATOL = 1e-4
-KINDS = ["llama", "qwen2", "tied", "mha", "llama3", "mistral", "qwen3", "gemma3", "phi3", "qwen3_moe", "mixtral", "gpt_oss"]
+KINDS = ["llama", "qwen2", "tied", "mha", "llama3", "mistral", "qwen3", "gemma3", "phi3", "yarn", "qwen3_moe", "mixtral",
+         "gpt_oss"]
 
 
 def prompt(length: int, seed: int) -> list[int]:
