@@ -26,8 +26,22 @@ Before transformers reads it, `check_gguf_file` reads the header
 on a large vocabulary) and refuses, in one sentence naming the file, what
 Sluice cannot serve or what would otherwise fail deep inside the reader: a
 file that is not GGUF (magic), one cut short (a tensor ends past the end of
-the file), an architecture no model family serves, and a tensor type the
-conversion does not dequantize. Nothing is written then.
+the file), an architecture no model family serves, a rope scaling type
+no rotary implements, and a tensor type the conversion does not dequantize.
+Nothing is written then.
+
+Two additions to what transformers reads:
+
+- Rope scaling. transformers' GGUF reader ignores `<arch>.rope.scaling.*`;
+  the converted config.json gets it (`rope_scaling_from_metadata`: linear,
+  yarn with its factor, original context and beta bounds), so the model
+  rotates as llama.cpp would and serves the extended length.
+- Mixtral. llama.cpp files Mixtral under architecture `llama` with an
+  `expert_count` and each layer's experts stacked (`ffn_gate_exps`,
+  `ffn_up_exps`, `ffn_down_exps`: [E, rows, cols]), which transformers does
+  not read; `write_mixtral_folder` dequantizes the tensors with the gguf
+  package itself, undoes llama.cpp's q/k row permutation and writes the
+  Mixtral checkpoint layout, one safetensors file per layer.
 """
 
 from __future__ import annotations
@@ -35,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -42,12 +57,14 @@ import socket
 import sys
 from pathlib import Path
 
-from sluice_server.gguf_header import GGML_QUANT_SIZES, GGUFFormatError, GGUFHeader, read_header
+import numpy as np
+
+from sluice_server.gguf_header import GGML_QUANT_SIZES, GGUFFormatError, GGUFHeader, read_header, tensor_bytes
 from sluice_server.model_folder import SOURCE_FILE, ModelResolutionError, check_model_folder, progress
 
 
 # Part of the folder key: a change to what a converted folder holds converts again.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 # GGUF `general.architecture` -> the model_type transformers writes for it
 # (each one of models.MODEL_FAMILIES). llama.cpp files most Mistral models
@@ -59,7 +76,12 @@ GGUF_ARCHITECTURES = {
     "phi3": "phi3",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "qwen3moe": "qwen3_moe",
 }
+# `llama` files with experts are Mixtral (llama.cpp's convention).
+MIXTRAL = "mixtral"
+# `<arch>.rope.scaling.type` values the rotary implements ("none": no scaling).
+GGUF_ROPE_SCALING = ("none", "linear", "yarn")
 # Tensor types the conversion expands to float32, exactly as the gguf
 # package's dequantizer does (transformers calls it): the float types, the
 # legacy and K-quant blocks of the Q*_K_M/Q*_K_S/Q8_0 files, and the i-quants.
@@ -100,6 +122,11 @@ def check_gguf_file(path: Path) -> GGUFHeader:
             f"{path.name}: GGUF architecture {arch!r} is not supported; "
             f"supported: {', '.join(sorted(GGUF_ARCHITECTURES))}"
         )
+    scaling = header.metadata.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in GGUF_ROPE_SCALING:
+        raise ModelResolutionError(
+            f"{path.name}: rope scaling type {scaling!r} is not supported; supported: {', '.join(GGUF_ROPE_SCALING)}"
+        )
     for t in header.tensors:
         if t.type_name not in GGUF_TENSOR_TYPES:
             raise ModelResolutionError(
@@ -112,6 +139,40 @@ def check_gguf_file(path: Path) -> GGUFHeader:
                 f"{path.name} is cut short: tensor {t.name} ends at byte {end}, but the file has {size} bytes"
             )
     return header
+
+
+def gguf_model_type(header: GGUFHeader) -> str:
+    """The model_type a checked file converts to."""
+    arch = header.architecture
+    if arch == "llama" and header.metadata.get("llama.expert_count", 0) > 0:
+        return MIXTRAL
+    return GGUF_ARCHITECTURES[arch]
+
+
+def rope_scaling_from_metadata(header: GGUFHeader) -> dict | None:
+    """config.json's rope settings for the file's `rope.scaling.*` keys (None:
+    unscaled). llama.cpp's `attn_factor` multiplies YaRN's own cos/sin
+    scale (0.1 ln factor + 1), which is transformers' `attention_factor`."""
+    meta, arch = header.metadata, header.architecture
+    key = lambda name: f"{arch}.rope.scaling.{name}"  # noqa: E731
+    kind = meta.get(key("type"), "none")
+    factor = meta.get(key("factor")) or meta.get(f"{arch}.rope.scale_linear")
+    if kind == "linear" or (kind == "none" and factor and factor != 1.0):
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind != "yarn":
+        return None
+    if not factor:
+        raise ModelResolutionError(f"{arch}: rope scaling yarn without {key('factor')}")
+    params = {"rope_type": "yarn", "factor": float(factor)}
+    if meta.get(key("original_context_length")):
+        params["original_max_position_embeddings"] = int(meta[key("original_context_length")])
+    for ours, theirs in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+        if meta.get(key(theirs)):
+            params[ours] = float(meta[key(theirs)])
+    attn = meta.get(key("attn_factor"))
+    if attn and attn != 1.0:
+        params["attention_factor"] = float(attn) * (0.1 * math.log(float(factor)) + 1.0 if factor > 1 else 1.0)
+    return params
 
 
 def convert_gguf(gguf_path: Path, cache: Path) -> Path:
@@ -176,21 +237,161 @@ def _write_folder(gguf_path: Path, folder: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    header = read_header(gguf_path)
     source = dict(pretrained_model_name_or_path=str(gguf_path.parent), gguf_file=gguf_path.name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(**source, trust_remote_code=False)
-        model = AutoModelForCausalLM.from_pretrained(
-            **source, dtype=torch.float32, trust_remote_code=False, **_dequantize_option()
-        )
+        if gguf_model_type(header) == MIXTRAL:
+            config = write_mixtral_folder(gguf_path, header, folder, tokenizer)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                **source, dtype=torch.float32, trust_remote_code=False, **_config_option(source, header),
+                **_dequantize_option(),
+            )
+            model.save_pretrained(folder)
+            config = model.config
+    except ModelResolutionError:
+        raise
     except Exception as error:  # a bad or unsupported file fails in many ways inside the reader
         raise ModelResolutionError(
             f"transformers cannot read {gguf_path.name}: {type(error).__name__}: {error}"
         ) from error
-    model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    _write_rope_scaling(folder, rope_scaling_from_metadata(header))
     _write_chat_template(folder, tokenizer.chat_template)
-    _write_generation_config(folder, model.config, tokenizer)
+    _write_generation_config(folder, config, tokenizer)
     (folder / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf_path)}) + "\n")
+
+
+def _config_option(source: dict, header: GGUFHeader) -> dict:
+    """A config for transformers' reader where its GGUF metadata map misses a
+    key the weights' shapes depend on: Qwen3-MoE's expert width
+    (`expert_feed_forward_length`, else the 768 of Qwen3-30B-A3B)."""
+    width = header.metadata.get("qwen3moe.expert_feed_forward_length")
+    if header.architecture != "qwen3moe" or width is None:
+        return {}
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(**source, trust_remote_code=False)
+    config.moe_intermediate_size = int(width)
+    return {"config": config}
+
+
+def _write_rope_scaling(folder: Path, params: dict | None) -> None:
+    if params is None:
+        return
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    rope = dict(config.get("rope_parameters") or {})
+    rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    rope.update(params)
+    config["rope_parameters"] = rope
+    config.pop("rope_scaling", None)
+    path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+# llama.cpp's Mixtral tensor names -> the checkpoint's, per layer (blk.N.*) or whole.
+MIXTRAL_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate_inp.weight": "block_sparse_moe.gate.weight",
+}
+MIXTRAL_EXPERT_NAMES = {"ffn_gate_exps.weight": "w1", "ffn_up_exps.weight": "w3", "ffn_down_exps.weight": "w2"}
+MIXTRAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+# Tensors llama.cpp adds that a checkpoint does not have.
+MIXTRAL_SKIPPED = ("rope_freqs.weight",)
+
+
+def write_mixtral_folder(gguf_path: Path, header: GGUFHeader, folder: Path, tokenizer):
+    """Writes config.json and the weights of a Mixtral GGUF (module
+    docstring) into `folder`; returns the config."""
+    import transformers
+
+    meta = header.metadata
+    heads = int(meta["llama.attention.head_count"])
+    kv_heads = int(meta.get("llama.attention.head_count_kv", heads))
+    hidden = int(meta["llama.embedding_length"])
+    tensors = {t.name: t for t in header.tensors}
+    vocab = tensors["token_embd.weight"].shape[1]
+    config = transformers.MixtralConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(meta["llama.feed_forward_length"]),
+        num_hidden_layers=int(meta["llama.block_count"]),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=int(meta.get("llama.rope.dimension_count", hidden // heads)),
+        max_position_embeddings=int(meta.get("llama.context_length", 32768)),
+        rms_norm_eps=float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(meta.get("llama.rope.freq_base", 1e6)),
+        num_local_experts=int(meta["llama.expert_count"]),
+        num_experts_per_tok=int(meta["llama.expert_used_count"]),
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    files = _write_mixtral_weights(gguf_path, header, folder, {"q": heads, "k": kv_heads})
+    config.save_pretrained(folder)
+    weight_map = {name: file for file, names in files.items() for name in names}
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2) + "\n"
+    )
+    return config
+
+
+def _write_mixtral_weights(gguf_path: Path, header: GGUFHeader, folder: Path, heads: dict[str, int]):
+    """One safetensors file per layer (and one for the rest), so a layer at a
+    time is in memory. Returns {file: tensor names}."""
+    import torch
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    from safetensors.torch import save_file
+
+    groups: dict[str, dict[str, object]] = {}
+    for t in header.tensors:
+        if t.name in MIXTRAL_SKIPPED:
+            continue
+        parts = t.name.split(".", 2)
+        group = f"layer-{int(parts[1]):05d}" if parts[0] == "blk" else "rest"
+        groups.setdefault(group, {})[t.name] = t
+    files: dict[str, list[str]] = {}
+    for group, members in sorted(groups.items()):
+        out: dict[str, torch.Tensor] = {}
+        for name, t in members.items():
+            raw = np.array(tensor_bytes(gguf_path, t))
+            values = dequantize(raw, GGMLQuantizationType[t.type_name]).reshape(tuple(reversed(t.shape)))
+            out.update(_mixtral_tensors(name, torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)), heads))
+        file = f"model-{group}.safetensors"
+        save_file(out, str(folder / file), metadata={"format": "pt"})
+        files[file] = sorted(out)
+    return files
+
+
+def _mixtral_tensors(name: str, value, heads: dict[str, int]) -> dict:
+    """One GGUF tensor -> its checkpoint tensor(s) (experts split one by one)."""
+    if name in MIXTRAL_NAMES:
+        return {MIXTRAL_NAMES[name]: value}
+    _, layer, rest = name.split(".", 2)
+    prefix = f"model.layers.{layer}"
+    if rest in MIXTRAL_EXPERT_NAMES:
+        w = MIXTRAL_EXPERT_NAMES[rest]
+        return {f"{prefix}.block_sparse_moe.experts.{e}.{w}.weight": value[e].clone() for e in range(value.shape[0])}
+    if rest not in MIXTRAL_LAYER_NAMES:
+        raise ModelResolutionError(f"Mixtral GGUF tensor {name} is not one Sluice knows how to place")
+    if rest in ("attn_q.weight", "attn_k.weight"):
+        value = unpermute_rotary_rows(value, heads["q" if rest == "attn_q.weight" else "k"])
+    return {f"{prefix}.{MIXTRAL_LAYER_NAMES[rest]}": value}
+
+
+def unpermute_rotary_rows(w, heads: int):
+    """Undoes llama.cpp's q/k row order (within a head: the two rotary halves
+    interleaved, pair by pair) back to the checkpoint's (first half, second half)."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _dequantize_option() -> dict:

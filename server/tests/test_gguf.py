@@ -16,14 +16,17 @@ from sluice_server.gguf_header import GGUFFormatError, read_header, tensor_bytes
 from sluice_server.models import MODEL_FAMILIES
 
 
-def write_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray]) -> Path:
-    """A small GGUF: a few metadata keys (a string array among them) and the tensors."""
+def write_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> Path:
+    """A small GGUF: a few metadata keys (a string array among them, and
+    `metadata`'s strings) and the tensors."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(1)
     writer.add_context_length(64)
     writer.add_token_list(["<s>", "</s>", "hello", "world"])
+    for key, value in (metadata or {}).items():
+        writer.add_string(key, value)
     for name, data in tensors.items():
         writer.add_tensor(name, data)
     writer.write_header_to_file()
@@ -100,9 +103,18 @@ def test_unsupported_architecture_fails_before_converting(tmp_path, monkeypatch)
         resolve_model(str(path), cache_dir=str(cache))
     assert str(error.value) == (
         "gpt2-small.gguf: GGUF architecture 'gpt2' is not supported; "
-        "supported: gemma3, llama, mistral, phi3, qwen2, qwen3"
+        "supported: gemma3, llama, mistral, phi3, qwen2, qwen3, qwen3moe"
     )
     assert not cache.exists()
+
+
+def test_unsupported_rope_scaling_fails_before_converting(tmp_path, monkeypatch):
+    no_conversion(monkeypatch)
+    path = write_gguf(tmp_path / "odd-rope.gguf", "llama", {"token_embd.weight": np.zeros((4, 32), np.float32)},
+                      metadata={"llama.rope.scaling.type": "xpos"})
+    with pytest.raises(ModelResolutionError) as error:
+        resolve_model(str(path), cache_dir=str(tmp_path / "cache"))
+    assert str(error.value) == "odd-rope.gguf: rope scaling type 'xpos' is not supported; supported: none, linear, yarn"
 
 
 def test_unsupported_tensor_type_fails_before_converting(tmp_path, monkeypatch):

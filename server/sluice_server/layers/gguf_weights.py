@@ -35,6 +35,13 @@ layer's rows by content rather than by a hard-coded permutation.
     layers.i.mlp.gate_up_proj             blk.i.ffn_gate, ffn_up
     layers.i.mlp.down_proj                blk.i.ffn_down
     lm_head                               output (or token_embd when tied)
+
+The expert layers of mixture-of-experts models (layers/moe.py) get their
+experts' blocks the same way, one expert at a time out of llama.cpp's
+stacked tensors ([E, rows, cols]), as `QuantizedExperts`:
+
+    layers.i.mlp.w13_weight[e]            blk.i.ffn_gate_exps[e], ffn_up_exps[e]
+    layers.i.mlp.w2_weight[e]             blk.i.ffn_down_exps[e]
 """
 
 from __future__ import annotations
@@ -50,8 +57,33 @@ from torch import nn
 from sluice_kernels import cpu_kernels, gguf_blocks
 from sluice_kernels.gguf_blocks import QuantizedWeight
 from sluice_server.model_folder import SOURCE_FILE
+from sluice_server.layers.moe import FusedMoE
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class QuantizedExperts:
+    """One expert layer's GGUF blocks: every expert's gate|up and down, each
+    in the record layout its kernel reads (one layout per projection)."""
+
+    # uint8 [E, bytes]: expert e's packed records (gguf_blocks.pack).
+    w13: torch.Tensor
+    w2: torch.Tensor
+    formats: tuple[int, int]
+    # Output features of w13 (2 x the intermediate size) and w2 (hidden).
+    out_features: tuple[int, int]
+    int8: bool
+    # Steps of at most this many tokens run here; larger ones on the dense weights.
+    max_rows: int
+
+    def handles(self, x: torch.Tensor) -> bool:
+        return x.dim() == 2 and x.shape[0] <= self.max_rows and x.dtype == torch.float32 and x.device.type == "cpu"
+
+    def linear(self, which: int, expert: int, x: torch.Tensor) -> torch.Tensor:
+        linear = torch.ops.sluice_cpu.q8_linear if self.int8 else torch.ops.sluice_cpu.exact_linear
+        data = (self.w13, self.w2)[which][expert]
+        return linear(x.contiguous(), data, self.formats[which], self.out_features[which])
 
 
 def gguf_source(folder: Path) -> Path | None:
@@ -68,6 +100,8 @@ def _pieces(model: nn.Module) -> list[tuple[nn.Module, list[str]]]:
         attn, mlp = layer.self_attn, layer.mlp
         out.append((attn.qkv_proj, [f"blk.{i}.attn_q.weight", f"blk.{i}.attn_k.weight", f"blk.{i}.attn_v.weight"]))
         out.append((attn.o_proj, [f"blk.{i}.attn_output.weight"]))
+        if isinstance(mlp, FusedMoE):
+            continue  # attach_experts
         out.append((mlp.gate_up_proj, [f"blk.{i}.ffn_gate.weight", f"blk.{i}.ffn_up.weight"]))
         out.append((mlp.down_proj, [f"blk.{i}.ffn_down.weight"]))
     tied = getattr(model.config, "tie_word_embeddings", False)
@@ -129,4 +163,67 @@ def attach_gguf_weights(model: nn.Module, folder: Path, world_size: int, *, int8
         fmt = gguf_blocks.layout(types, records)
         module.quantized = QuantizedWeight(gguf_blocks.pack(records, fmt), fmt, n, int8, max_rows)
         attached += 1
+    for i, layer in enumerate(model.model.layers):
+        if isinstance(layer.mlp, FusedMoE):
+            attached += attach_experts(layer.mlp, tensors, i, int8=int8, max_rows=max_rows)
     return attached
+
+
+def _readable(tensors: dict, names: list[str], k: int) -> bool:
+    """Every tensor is there, in a block type the kernels read, and its rows
+    of k values are whole blocks."""
+    return k % 32 == 0 and all(
+        name in tensors and tensors[name].tensor_type.name in gguf_blocks.FORMATS
+        and k % gguf_blocks.BLOCK_VALUES.get(tensors[name].tensor_type.name, 32) == 0
+        for name in names
+    )
+
+
+def _expert_records(tensors: dict, names: list[str], dense: torch.Tensor) -> list[gguf_blocks.Records] | None:
+    """Each expert's records for the stacked GGUF tensors `names` (pieces
+    stacked along the rows, as gate and up are in w13), matched to the dense
+    weight [E, rows, K]; None where a row does not match."""
+    k = dense.shape[2]
+    stacked = [np.asarray(tensors[name].data) for name in names]
+    out = []
+    for e in range(dense.shape[0]):
+        pieces, first = [], 0
+        for name, blocks in zip(names, stacked):
+            records = gguf_blocks.unpack(tensors[name].tensor_type.name, blocks[e], k)
+            order = _match_rows(records.expand(), dense[e, first : first + len(blocks[e])])
+            if order is None:
+                return None
+            pieces.append(records.take(order))
+            first += len(blocks[e])
+        if first != dense.shape[1]:
+            return None
+        out.append(gguf_blocks.Records(*(np.concatenate(p) for p in zip(*((r.sw, r.cw, r.wq) for r in pieces)))))
+    return out
+
+
+def attach_experts(moe: FusedMoE, tensors: dict, index: int, *, int8: bool, max_rows: int) -> int:
+    """Attaches layer `index`'s expert blocks to its FusedMoE (both
+    projections, or neither); returns 1 when attached."""
+    if moe.w13_weight.dtype != torch.float32:
+        return 0
+    gate_up = [f"blk.{index}.ffn_gate_exps.weight", f"blk.{index}.ffn_up_exps.weight"]
+    down = [f"blk.{index}.ffn_down_exps.weight"]
+    pairs = ((gate_up, moe.w13_weight.detach()), (down, moe.w2_weight.detach()))
+    if not all(_readable(tensors, names, dense.shape[2]) for names, dense in pairs):
+        return 0
+    packed, formats = [], []
+    for names, dense in pairs:
+        records = _expert_records(tensors, names, dense)
+        if records is None:
+            log.warning("GGUF expert blocks of %s do not match the loaded weights; using float32 only", names[0])
+            return 0
+        types = {tensors[name].tensor_type.name for name in names}
+        whole = gguf_blocks.Records(*(np.concatenate(p) for p in zip(*((r.sw, r.cw, r.wq) for r in records))))
+        fmt = gguf_blocks.layout(types, whole)
+        packed.append(torch.stack([gguf_blocks.pack(r, fmt) for r in records]))
+        formats.append(fmt)
+    moe.quantized = QuantizedExperts(
+        packed[0], packed[1], (formats[0], formats[1]),
+        (moe.w13_weight.shape[1], moe.w2_weight.shape[1]), int8, max_rows,
+    )
+    return 1

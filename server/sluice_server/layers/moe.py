@@ -186,9 +186,29 @@ def grouped_experts_reference(
     return out
 
 
+def grouped_experts_on_blocks(x, groups: ExpertGroups, blocks, b13, b2, spec: MoESpec) -> torch.Tensor:
+    """`grouped_experts_reference` with each expert's matmuls on its GGUF
+    blocks (`blocks`: a QuantizedExperts)."""
+    xs = x[groups.tokens]
+    out = torch.empty(xs.shape[0], blocks.out_features[1], dtype=x.dtype, device=x.device)
+    for e, start, end in groups.active():
+        h = blocks.linear(0, e, xs[start:end])
+        if b13 is not None:
+            h = h + b13[e]
+        y = blocks.linear(1, e, activate(h, spec))
+        out[start:end] = y if b2 is None else y + b2[e]
+    return out
+
+
 class FusedMoE(nn.Module):
     """The expert MLP of one layer (module docstring): router, grouped
-    experts, one all-reduce."""
+    experts, one all-reduce.
+
+    `quantized`: on CPU, the experts' GGUF blocks (layers.gguf_weights
+    QuantizedExperts), which steps of few tokens run on instead of the
+    dense weights."""
+
+    quantized = None
 
     def __init__(self, spec: MoESpec, dist: Distributed):
         super().__init__()
@@ -261,7 +281,10 @@ class FusedMoE(nn.Module):
         weights, ids = route(logits, self.spec)
         groups = group_by_expert(ids, self.spec.num_experts)
         b2 = self.w2_bias if self.dist.rank == 0 else None
-        rows = grouped_experts_reference(x, groups, self.w13_weight, self.w2_weight, self.w13_bias, b2, self.spec)
+        if self.quantized is not None and self.quantized.handles(x):
+            rows = grouped_experts_on_blocks(x, groups, self.quantized, self.w13_bias, b2, self.spec)
+        else:
+            rows = grouped_experts_reference(x, groups, self.w13_weight, self.w2_weight, self.w13_bias, b2, self.spec)
         return self.dist.all_reduce(combine(rows, groups, weights))
 
 
