@@ -27,6 +27,10 @@ decision (the shard's `--cpu-kernels`); this module reads no setting.
         gguf_blocks), with int8 activations or expanded to float32
         (cpu_q8_linear.cpp), each call on the best instruction set this CPU
         has (`isa_path()` names it)
+    moe_block_mlp(x, ids, weights, w13, format13, w2, format2, intermediate, b13, b2,
+        activation, alpha, limit, int8): a mixture-of-experts layer's expert MLP
+        on every expert's blocks, tokens grouped by expert (cpu_moe.cpp, over
+        cpu_q8_linear.cpp's grouped_block_linear), see moe.py
     torch.classes.sluice_cpu.LlamaDecoder: a decode step through every layer
         in one call (cpu_decoder.cpp), driven by the Llama model's
         `sluice_server.models.llama_cpu_decoder`
@@ -51,11 +55,12 @@ SOURCES = [
     CSRC / "cpu_ops.cpp",
     CSRC / "cpu_q8_linear.cpp",
     CSRC / "cpu_decoder.cpp",
+    CSRC / "cpu_moe.cpp",
 ]
 HEADERS = [CSRC / "sluice_cpu.h"]
 OPS = (
     "paged_decode_attention", "rms_norm", "rotary_", "silu_mul", "argmax_rows",
-    "q8_pack", "q8_linear", "exact_linear", "q8_quantize", "q8_isas",
+    "q8_pack", "q8_linear", "exact_linear", "q8_quantize", "q8_isas", "moe_block_mlp",
 )
 _lock = threading.Lock()
 # "ok": the outcome of the first load(); "reason": why the kernels are off;

@@ -25,7 +25,7 @@ from sluice_server.batch import Batch, RequestState, Work, build_batch
 from sluice_server.distributed import SINGLE, Distributed
 from sluice_server.kv_cache import KVCache
 from sluice_server.layers.backends import get_backend
-from sluice_server.layers.gguf_weights import attach_gguf_weights
+from sluice_server.layers.gguf_weights import attach_block_experts, attach_gguf_weights
 from sluice_server.layers.linear import pack_linear_weights, weight_bytes
 from sluice_server.models import build_model, load_weights
 from sluice_server.models.llama_cpu_decoder import LlamaCpuDecoder, build_llama_cpu_decoder
@@ -259,7 +259,7 @@ class ModelRunner:
         if self.uses_cpu_kernels:  # the block matmuls are C++ kernels
             blocks = attach_gguf_weights(
                 self.model, self.model_dir, self.dist.world_size, int8=plan.int8, max_rows=plan.block_rows
-            )
+            ) + attach_block_experts(self.model, int8=plan.int8, max_rows=plan.block_rows)
         if not blocks:
             plan = CpuMatmuls(int8=False, block_rows=0, dense_dtype=None)
         # The dtype the dense weights are packed in, named (None meant the model's).

@@ -199,15 +199,13 @@ def fidelity(logits, reference, tokens: list[int]) -> dict[str, float]:
     }
 
 
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
-
 def quantize_mxfp4(weight) -> tuple:
     """weight [..., K] (K a multiple of 32) -> (blocks [..., K/32, 16] uint8,
     scales [..., K/32] uint8): per block of 32 the smallest power of two that
     brings it within FP4's +-6, each value rounded to the nearest FP4 code,
     two codes a byte, the earlier in the low nibble (gpt-oss's layout)."""
     import torch
+    from sluice_kernels.moe import FP4_VALUES
 
     w = weight.float().reshape(*weight.shape[:-1], -1, 32)
     amax = w.abs().amax(-1).clamp(min=2.0**-126)

@@ -1,6 +1,7 @@
-"""The expert layer's pieces (layers/moe.py) against transformers' own routers
-and a token-by-token loop, gpt-oss's MXFP4 checkpoints against transformers,
-and the rope scaling types against transformers' rope functions."""
+"""The expert layer's routing (layers/moe.py) against transformers' own
+routers, gpt-oss's MXFP4 checkpoints against transformers (dense, and on
+their blocks on CPU), and the rope scaling types against transformers' rope
+functions. The grouped expert MLP itself is tested in kernels/tests/test_moe.py."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch
 from sluice_server.layers import moe
 from sluice_server.layers.rotary import attention_scaling, context_length, inverse_frequencies, rope_parameters
 from sluice_server.model_runner import ModelRunner
-from sluice_server.models.gpt_oss import dequantize_mxfp4
+from sluice_kernels import cpu_kernels
+from sluice_kernels.moe import dequantize_mxfp4
 from sluice_server.testing import quantize_mxfp4, to_mxfp4_checkpoint
 
 from conftest import Driver, make_tiny_model, reference_logits
@@ -64,38 +66,6 @@ def test_softmax_topk_without_renormalisation_keeps_probabilities():
     assert torch.all(weights.sum(-1) < 1)
 
 
-def naive_moe(x, ids, weights, w13, w2, b13, b2, s: moe.MoESpec) -> torch.Tensor:
-    """Token by token, slot by slot: the definition."""
-    out = torch.zeros_like(x)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = ids[t, j]
-            h = w13[e] @ x[t] + (0 if b13 is None else b13[e])
-            y = w2[e] @ moe.activate(h.unsqueeze(0), s)[0] + (0 if b2 is None else b2[e])
-            out[t] += weights[t, j] * y
-    return out
-
-
-@pytest.mark.parametrize("activation,bias", [("silu", False), ("swiglu_oai", True)])
-@pytest.mark.parametrize("tokens", [1, 3, 29])
-def test_grouped_experts_equal_the_token_loop(activation, bias, tokens):
-    """Irregular shapes: some experts get several tokens, most get none at 1 token."""
-    g = torch.Generator().manual_seed(tokens)
-    s = spec(activation=activation, swiglu_limit=0.5)
-    e, h, i = s.num_experts, s.hidden_size, s.intermediate_size
-    x = torch.randn(tokens, h, generator=g)
-    w13, w2 = torch.randn(e, 2 * i, h, generator=g) * 0.3, torch.randn(e, h, i, generator=g) * 0.3
-    b13 = torch.randn(e, 2 * i, generator=g) if bias else None
-    b2 = torch.randn(e, h, generator=g) if bias else None
-    weights, ids = moe.route(torch.randn(tokens, e, generator=g), s)
-    groups = moe.group_by_expert(ids, e)
-    assert groups.offsets[-1] == tokens * s.top_k
-    assert sum(end - start for _, start, end in groups.active()) == tokens * s.top_k
-    rows = moe.grouped_experts_reference(x, groups, w13, w2, b13, b2, s)
-    got = moe.combine(rows, groups, weights)
-    torch.testing.assert_close(got, naive_moe(x, ids, weights, w13, w2, b13, b2, s), atol=1e-4, rtol=1e-5)
-
-
 def test_a_bad_top_k_is_refused():
     with pytest.raises(ValueError, match=r"num_experts_per_tok=9 must be in \[1, num_experts=8\]"):
         spec(top_k=9)
@@ -116,16 +86,43 @@ def test_mxfp4_dequantizes_as_transformers_does():
     assert (ours - w).abs().max() <= (2.0 ** (scales.float() - 127)).max()
 
 
-def test_mxfp4_checkpoint_matches_transformers(tmp_path):
-    folder = to_mxfp4_checkpoint(make_tiny_model(tmp_path, "gpt_oss", seed=4))
-    runner = ModelRunner(folder, dtype="float32", block_size=4)
-    tokens = torch.randint(3, 128, (33,), generator=torch.Generator().manual_seed(3)).tolist()
+@pytest.fixture(scope="module")
+def mxfp4_folder(tmp_path_factory):
+    return to_mxfp4_checkpoint(make_tiny_model(tmp_path_factory.mktemp("mxfp4"), "gpt_oss", seed=4))
+
+
+def steps(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
+    """Logits of every token: a prefill of all but 5, then 5 decodes."""
     d = Driver(runner)
     r = d.request(1, tokens)
-    d.step([(r, 28)])
+    d.step([(r, len(tokens) - 5)])
     for _ in range(5):
         d.step([(r, 1)])
-    torch.testing.assert_close(d.computed(1, 0, 33), reference_logits(folder, tokens), atol=1e-4, rtol=0)
+    return d.computed(1, 0, len(tokens))
+
+
+def test_mxfp4_checkpoint_matches_transformers(mxfp4_folder):
+    """Dense: the blocks expanded at load, as transformers does on CPU."""
+    runner = ModelRunner(mxfp4_folder, dtype="float32", block_size=4, pack_weights=False)
+    tokens = torch.randint(3, 128, (33,), generator=torch.Generator().manual_seed(3)).tolist()
+    torch.testing.assert_close(steps(runner, tokens), reference_logits(mxfp4_folder, tokens), atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(not cpu_kernels.load(), reason="the CPU kernels did not build")
+def test_mxfp4_experts_run_on_their_blocks(mxfp4_folder):
+    """On CPU the experts keep their MXFP4 blocks as records and run on them
+    (the dense copy freed): exactly expanded with --dtype float32, int8
+    activations with auto."""
+    tokens = torch.randint(3, 128, (21,), generator=torch.Generator().manual_seed(4)).tolist()
+    want = reference_logits(mxfp4_folder, tokens)
+    logits = {}
+    for dtype in ("float32", "auto"):
+        runner = ModelRunner(mxfp4_folder, dtype=dtype, block_size=4)
+        for layer in runner.model.model.layers:
+            assert layer.mlp.quantized is not None and layer.mlp.w13_weight.numel() == 0, dtype
+        logits[dtype] = steps(runner, tokens)
+    torch.testing.assert_close(logits["float32"], want, atol=1e-4, rtol=0)
+    assert (logits["auto"] - want).norm() / want.norm() < 0.05
 
 
 # --- rope scaling -------------------------------------------------------------

@@ -752,6 +752,75 @@ at::Tensor exact_linear(const at::Tensor& x, const at::Tensor& packed, int64_t f
   return y;
 }
 
+// The grouped form for mixture-of-experts layers (cpu_moe.cpp): x's rows
+// come in runs, one per expert, and run e is multiplied by expert e's
+// records (packed[e]):
+//
+//   rows   [offsets[0], offsets[1])  [offsets[1], offsets[2])  ...   (a run may be empty)
+//   weight  packed[0]                  packed[1]                 ...
+//
+// The activations are quantized once for all runs; the work items are
+// (expert, output group, tile of up to 64 of its rows), all in one parallel
+// loop, so a decode step whose token chose 8 experts keeps every thread busy
+// with one launch. Each row's result is what q8_linear / exact_linear give
+// that row alone with its expert's weight.
+at::Tensor grouped_block_linear(const at::Tensor& x, const std::vector<int64_t>& offsets, const at::Tensor& packed,
+                                int64_t format, int64_t N, bool int8, int64_t isa_code) {
+  TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() &&
+                  packed.size(0) == static_cast<int64_t>(offsets.size()) - 1,
+              "packed must be contiguous uint8 [experts, bytes], one row per run of offsets");
+  TORCH_CHECK(offsets.front() == 0 && offsets.back() == x.size(0), "offsets must cover x's rows from 0");
+  const Isa isa = check_linear(x, packed[0], format, N, isa_code);
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK, experts = packed.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  struct Item {
+    int64_t expert, group, row, rows;
+  };
+  const int64_t groups = (N + NG - 1) / NG, tile = 64;
+  std::vector<Item> items;
+  for (int64_t e = 0; e < experts; ++e) {
+    TORCH_CHECK(offsets[e + 1] >= offsets[e], "offsets must not decrease");
+    for (int64_t r = offsets[e]; r < offsets[e + 1]; r += tile)
+      for (int64_t g = 0; g < groups; ++g) items.push_back({e, g, r, std::min(tile, offsets[e + 1] - r)});
+  }
+  const uint8_t* base = packed.data_ptr<uint8_t>();
+  const int64_t stride = packed.stride(0);
+  float* yp = y.data_ptr<float>();
+  if (int8) {
+    const QuantizedRows q = quantize_rows(x, isa == ISA_AVX512_VNNI);
+    const Args a{base, q.xq.data_ptr<int8_t>(), q.dx.data_ptr<float>(), q.sx.data_ptr<float>(),
+                 q.sx_lo.data_ptr<float>(), q.sx_hi.data_ptr<float>(), yp, K, nb, N, format};
+    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const Item& it = items[i];
+        Args sub = a;
+        sub.packed = base + it.expert * stride;
+        sub.xq = a.xq + it.row * K;
+        sub.dx = a.dx + it.row * nb;
+        sub.sx = a.sx + it.row * nb;
+        sub.sx_lo = a.sx_lo + it.row * nb;
+        sub.sx_hi = a.sx_hi + it.row * nb;
+        sub.y = yp + it.row * N;
+        with_layout(format, [&](auto F) { run_group<decltype(F)::value>(isa, sub, it.group, it.rows); });
+      }
+    });
+    return y;
+  }
+  const FArgs a{base, x.data_ptr<float>(), x.stride(0), yp, nb, N, format};
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const Item& it = items[i];
+      FArgs sub = a;
+      sub.packed = base + it.expert * stride;
+      sub.x = a.x + it.row * a.x_stride;
+      sub.y = yp + it.row * N;
+      with_layout(format, [&](auto F) { run_fgroup<decltype(F)::value>(isa, sub, it.group, it.rows); });
+    }
+  });
+  return y;
+}
+
 }  // namespace sluice_cpu
 
 namespace {

@@ -7,6 +7,7 @@
 
 #include <optional>
 #include <tuple>
+#include <vector>
 
 namespace sluice_cpu {
 
@@ -19,5 +20,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
                             double scale, int64_t window);
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t N, int64_t isa_code);
 at::Tensor exact_linear(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t N, int64_t isa_code);
+at::Tensor grouped_block_linear(const at::Tensor& x, const std::vector<int64_t>& offsets, const at::Tensor& packed,
+                                int64_t format, int64_t N, bool int8, int64_t isa_code);
 
 }  // namespace sluice_cpu

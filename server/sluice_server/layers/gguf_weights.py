@@ -42,6 +42,12 @@ stacked tensors ([E, rows, cols]), as `QuantizedExperts`:
 
     layers.i.mlp.w13_weight[e]            blk.i.ffn_gate_exps[e], ffn_up_exps[e]
     layers.i.mlp.w2_weight[e]             blk.i.ffn_down_exps[e]
+
+and so do gpt-oss's MXFP4 experts, from the records its loader kept
+(`attach_block_experts`). Experts run on their blocks at every step size,
+whatever the plan's row limit for dense layers: a step's tokens are spread
+over the experts, so each expert's matmul has few rows even in a prefill,
+and the experts are most of the weights, so their dense copy is freed.
 """
 
 from __future__ import annotations
@@ -56,34 +62,11 @@ from torch import nn
 
 from sluice_kernels import cpu_kernels, gguf_blocks
 from sluice_kernels.gguf_blocks import QuantizedWeight
+from sluice_kernels.moe import QuantizedExperts, pack_experts
 from sluice_server.model_folder import SOURCE_FILE
 from sluice_server.layers.moe import FusedMoE
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class QuantizedExperts:
-    """One expert layer's GGUF blocks: every expert's gate|up and down, each
-    in the record layout its kernel reads (one layout per projection)."""
-
-    # uint8 [E, bytes]: expert e's packed records (gguf_blocks.pack).
-    w13: torch.Tensor
-    w2: torch.Tensor
-    formats: tuple[int, int]
-    # Output features of w13 (2 x the intermediate size) and w2 (hidden).
-    out_features: tuple[int, int]
-    int8: bool
-    # Steps of at most this many tokens run here; larger ones on the dense weights.
-    max_rows: int
-
-    def handles(self, x: torch.Tensor) -> bool:
-        return x.dim() == 2 and x.shape[0] <= self.max_rows and x.dtype == torch.float32 and x.device.type == "cpu"
-
-    def linear(self, which: int, expert: int, x: torch.Tensor) -> torch.Tensor:
-        linear = torch.ops.sluice_cpu.q8_linear if self.int8 else torch.ops.sluice_cpu.exact_linear
-        data = (self.w13, self.w2)[which][expert]
-        return linear(x.contiguous(), data, self.formats[which], self.out_features[which])
 
 
 def gguf_source(folder: Path) -> Path | None:
@@ -165,7 +148,7 @@ def attach_gguf_weights(model: nn.Module, folder: Path, world_size: int, *, int8
         attached += 1
     for i, layer in enumerate(model.model.layers):
         if isinstance(layer.mlp, FusedMoE):
-            attached += attach_experts(layer.mlp, tensors, i, int8=int8, max_rows=max_rows)
+            attached += attach_experts(layer.mlp, tensors, i, int8=int8)
     return attached
 
 
@@ -201,7 +184,7 @@ def _expert_records(tensors: dict, names: list[str], dense: torch.Tensor) -> lis
     return out
 
 
-def attach_experts(moe: FusedMoE, tensors: dict, index: int, *, int8: bool, max_rows: int) -> int:
+def attach_experts(moe: FusedMoE, tensors: dict, index: int, *, int8: bool) -> int:
     """Attaches layer `index`'s expert blocks to its FusedMoE (both
     projections, or neither); returns 1 when attached."""
     if moe.w13_weight.dtype != torch.float32:
@@ -217,13 +200,24 @@ def attach_experts(moe: FusedMoE, tensors: dict, index: int, *, int8: bool, max_
         if records is None:
             log.warning("GGUF expert blocks of %s do not match the loaded weights; using float32 only", names[0])
             return 0
-        types = {tensors[name].tensor_type.name for name in names}
-        whole = gguf_blocks.Records(*(np.concatenate(p) for p in zip(*((r.sw, r.cw, r.wq) for r in records))))
-        fmt = gguf_blocks.layout(types, whole)
-        packed.append(torch.stack([gguf_blocks.pack(r, fmt) for r in records]))
-        formats.append(fmt)
-    moe.quantized = QuantizedExperts(
-        packed[0], packed[1], (formats[0], formats[1]),
-        (moe.w13_weight.shape[1], moe.w2_weight.shape[1]), int8, max_rows,
-    )
+        data, layout = pack_experts(records, {tensors[name].tensor_type.name for name in names})
+        packed.append(data)
+        formats.append(layout)
+    moe.use_blocks_(QuantizedExperts(packed[0], packed[1], (formats[0], formats[1]), moe.w2_weight.shape[2], int8))
     return 1
+
+
+def attach_block_experts(model: nn.Module, *, int8: bool, max_rows: int) -> int:
+    """Attaches the expert block records a checkpoint came with (gpt-oss's
+    MXFP4 experts: FusedMoE.block_records) to their layers; returns how many
+    layers got them."""
+    attached = 0
+    for layer in model.model.layers:
+        moe = layer.mlp
+        records = getattr(moe, "block_records", {})
+        if max_rows <= 0 or set(records) != {"w13", "w2"} or not cpu_kernels.loaded():
+            continue
+        (w13, f13), (w2, f2) = (pack_experts(*records[key]) for key in ("w13", "w2"))
+        moe.use_blocks_(QuantizedExperts(w13, w2, (f13, f2), moe.w2_weight.shape[2], int8))
+        attached += 1
+    return attached

@@ -16,21 +16,11 @@ Activations: `silu` (SwiGLU: silu(gate) * up), `swiglu_oai` (gpt-oss:
 gate clamped above at `limit`, up clamped to [-limit, limit],
 (up + 1) * gate * sigmoid(alpha * gate)).
 
-Tokens are grouped by expert so each selected expert's weights are read
-once per step, whatever the number of tokens that chose it; experts no
-token chose are not touched:
-
-    slots  (t, j) for t < T, j < k        ids[t, j] = expert of slot j
-    order  the T*k slots sorted by expert (stable), so expert e owns rows
-           [offsets[e], offsets[e + 1]) of the gathered input x[order // k]
-
-    expert   0        1     2            (E = 4; expert 3 chose no token)
-    rows   | t0 t3 | t1 | t0 t2 t3 |     offsets = [0, 2, 3, 6, 6]
-
-The grouped matmuls (`grouped_experts`) run over those runs; each slot's
-output is weighted and summed back per token in ascending expert order, the
-order transformers adds them in. The activation memory is that of T*k rows
-however the tokens are routed, so the warmup step measures the worst case.
+The experts themselves run as one grouped computation per layer
+(sluice_kernels.moe: tokens grouped by expert, each selected expert's
+weights read once; the plain-torch reference, the C++ kernel on GGUF or
+MXFP4 blocks on CPU). Each token's experts are listed in ascending order,
+the order transformers adds their outputs in.
 
 Tensor parallelism splits every expert's intermediate dimension, as the
 dense MLP's (each rank holds rows [rank * I/N, (rank + 1) * I/N) of every
@@ -61,11 +51,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sluice_kernels.moe import ACTIVATIONS, Activation, expert_mlp_reference
 from sluice_server.distributed import Distributed, shard_range
 
 SOFTMAX_TOPK = "softmax_topk"
 TOPK_SOFTMAX = "topk_softmax"
-ACTIVATIONS = ("silu", "swiglu_oai")
 
 
 @dataclass(frozen=True)
@@ -94,6 +84,10 @@ class MoESpec:
             raise ValueError(f"num_experts_per_tok={self.top_k} must be in [1, num_experts={self.num_experts}]")
 
     @property
+    def act(self) -> Activation:
+        return Activation(self.activation, self.swiglu_alpha, self.swiglu_limit)
+
+    @property
     def expert_parameters(self) -> int:
         """Weights (and biases) of one whole expert."""
         h, i = self.hidden_size, self.intermediate_size
@@ -116,97 +110,13 @@ def route(logits: torch.Tensor, spec: MoESpec) -> tuple[torch.Tensor, torch.Tens
     return weights.gather(-1, slot_order), ids
 
 
-@dataclass
-class ExpertGroups:
-    """A step's T*k (token, slot) pairs grouped by expert (the picture in the
-    module docstring)."""
-
-    # [T*k] int64: the slots (t * k + j) in expert order.
-    order: torch.Tensor
-    # [T*k] int64: the token of each row, order // k.
-    tokens: torch.Tensor
-    # [E + 1] int64 on the host: expert e's rows are [offsets[e], offsets[e + 1]).
-    offsets: list[int]
-
-    def active(self) -> list[tuple[int, int, int]]:
-        """(expert, first row, end row) of each expert that has rows."""
-        o = self.offsets
-        return [(e, o[e], o[e + 1]) for e in range(len(o) - 1) if o[e + 1] > o[e]]
-
-
-def group_by_expert(ids: torch.Tensor, num_experts: int) -> ExpertGroups:
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
-    offsets = [0] + torch.cumsum(counts, 0).tolist()
-    return ExpertGroups(order, order // ids.shape[1], offsets)
-
-
-def activate(h: torch.Tensor, spec: MoESpec) -> torch.Tensor:
-    """[R, 2 I] (gate | up) -> [R, I]."""
-    gate, up = h.chunk(2, dim=-1)
-    if spec.activation == "silu":
-        return F.silu(gate) * up
-    limit = spec.swiglu_limit
-    gate = gate.clamp(max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * spec.swiglu_alpha))
-
-
-def combine(rows: torch.Tensor, groups: ExpertGroups, weights: torch.Tensor) -> torch.Tensor:
-    """rows [T*k, H] in expert order -> [T, H]: each token's k outputs times
-    their weights, added in slot (= ascending expert) order."""
-    t, k = weights.shape
-    per_slot = torch.empty_like(rows)
-    per_slot[groups.order] = rows
-    per_slot = per_slot.view(t, k, -1) * weights.unsqueeze(-1).to(rows.dtype)
-    out = per_slot[:, 0].clone()
-    for j in range(1, k):
-        out += per_slot[:, j]
-    return out
-
-
-def grouped_experts_reference(
-    x: torch.Tensor,
-    groups: ExpertGroups,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    b13: torch.Tensor | None,
-    b2: torch.Tensor | None,
-    spec: MoESpec,
-) -> torch.Tensor:
-    """The grouped expert MLP in plain torch, one matmul pair per expert
-    with rows: x [T, H] -> [T*k, H] in expert order (not yet weighted).
-    The kernels (C++ on CPU, Triton on CUDA) compute the same."""
-    xs = x[groups.tokens]
-    out = torch.empty(xs.shape[0], w2.shape[1], dtype=x.dtype, device=x.device)
-    for e, start, end in groups.active():
-        h = F.linear(xs[start:end], w13[e], None if b13 is None else b13[e])
-        out[start:end] = F.linear(activate(h, spec), w2[e], None if b2 is None else b2[e])
-    return out
-
-
-def grouped_experts_on_blocks(x, groups: ExpertGroups, blocks, b13, b2, spec: MoESpec) -> torch.Tensor:
-    """`grouped_experts_reference` with each expert's matmuls on its GGUF
-    blocks (`blocks`: a QuantizedExperts)."""
-    xs = x[groups.tokens]
-    out = torch.empty(xs.shape[0], blocks.out_features[1], dtype=x.dtype, device=x.device)
-    for e, start, end in groups.active():
-        h = blocks.linear(0, e, xs[start:end])
-        if b13 is not None:
-            h = h + b13[e]
-        y = blocks.linear(1, e, activate(h, spec))
-        out[start:end] = y if b2 is None else y + b2[e]
-    return out
-
-
 class FusedMoE(nn.Module):
     """The expert MLP of one layer (module docstring): router, grouped
     experts, one all-reduce.
 
-    `quantized`: on CPU, the experts' GGUF blocks (layers.gguf_weights
-    QuantizedExperts), which steps of few tokens run on instead of the
-    dense weights."""
+    `quantized`: on CPU, the experts' GGUF or MXFP4 blocks
+    (sluice_kernels.moe.QuantizedExperts, attached by layers.gguf_weights),
+    which every step then runs on; the dense expert weights are freed."""
 
     quantized = None
 
@@ -221,6 +131,10 @@ class FusedMoE(nn.Module):
         self.router = nn.Module()
         self.router.weight = _param(torch.empty(e, h), self._load_whole)
         self.router.bias = _param(torch.empty(e), self._load_whole) if spec.router_bias else None
+        # Checkpoints whose experts come as blocks (gpt-oss's MXFP4) leave
+        # them here, {"w13" | "w2": (per-expert records, block types)}, for
+        # the CPU shard to attach as `quantized`.
+        self.block_records: dict = {}
         self.w13_weight = _param(torch.empty(e, 2 * local, h), self.load_expert, pieces=2 * e)
         self.w2_weight = _param(torch.empty(e, h, local), self.load_expert, pieces=e)
         if spec.expert_bias:
@@ -273,19 +187,26 @@ class FusedMoE(nn.Module):
             raise ValueError(f"expert tensor of shape {tuple(whole.shape)} does not fit {tuple(param.shape)}")
         param.data[expert].copy_(mine)
 
+    def use_blocks_(self, blocks) -> None:
+        """Runs the experts on `blocks` (a QuantizedExperts) from now on and
+        frees the dense expert weights."""
+        self.quantized = blocks
+        self.block_records = {}
+        for weight in (self.w13_weight, self.w2_weight):
+            weight.data = torch.empty(0, dtype=weight.dtype)
+
     # -- forward -----------------------------------------------------------
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H], summed over the tensor-parallel ranks."""
         logits = F.linear(x, self.router.weight, self.router.bias)
         weights, ids = route(logits, self.spec)
-        groups = group_by_expert(ids, self.spec.num_experts)
         b2 = self.w2_bias if self.dist.rank == 0 else None
         if self.quantized is not None and self.quantized.handles(x):
-            rows = grouped_experts_on_blocks(x, groups, self.quantized, self.w13_bias, b2, self.spec)
+            y = self.quantized.mlp(x, ids, weights, self.w13_bias, b2, self.spec.act)
         else:
-            rows = grouped_experts_reference(x, groups, self.w13_weight, self.w2_weight, self.w13_bias, b2, self.spec)
-        return self.dist.all_reduce(combine(rows, groups, weights))
+            y = expert_mlp_reference(x, ids, weights, self.w13_weight, self.w2_weight, self.w13_bias, b2, self.spec.act)
+        return self.dist.all_reduce(y)
 
 
 def _param(t: torch.Tensor, loader, pieces: int = 1) -> nn.Parameter:

@@ -35,8 +35,9 @@ output 2j or 2j + 1 as above):
 
 `ExpertLoader` turns each expert into the expert layer's layout
 ([gate | up] rows) and hands it over; MXFP4 blocks are expanded to the
-model's dtype exactly (as transformers does on CPU), and kept as blocks
-too (`FusedMoE.mxfp4`) where a kernel can run them.
+model's dtype exactly (as transformers does on CPU), and kept as block
+records too (`FusedMoE.block_records`, sluice_kernels.moe.mxfp4_records),
+which the CPU shard runs decode steps on (layers.gguf_weights.attach_block_experts).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sluice_kernels.moe import dequantize_mxfp4, mxfp4_records
 from sluice_server.distributed import shard_range
 from sluice_server.layers.attention import LayerAttention
 from sluice_server.layers.moe import TOPK_SOFTMAX, FusedMoE, MoESpec
@@ -56,7 +58,6 @@ from sluice_server.models.llama import LlamaAttention, LlamaForCausalLM, model_s
 from sluice_server.models.qwen3_moe import MoEConfig, MoEDecoderLayer
 
 SLIDING, FULL = "sliding_attention", "full_attention"
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 @dataclass(frozen=True)
@@ -184,22 +185,28 @@ class ExpertLoader:
         if len(pieces) < 2:
             return
         blocks, scales = pieces.pop(0), pieces.pop(1)
+        records = []
         for e in range(spec.num_experts):
             weight = dequantize_mxfp4(blocks[e], scales[e], param.dtype)
             self.moe.load_whole_expert_(param, e, deinterleave(weight) if w13 else weight)
+            records.append(self.local_records(w13, blocks[e], scales[e]))
+        if all(r is not None for r in records):
+            self.moe.block_records["w13" if w13 else "w2"] = (records, {"MXFP4"})
+
+    def local_records(self, w13: bool, blocks: torch.Tensor, scales: torch.Tensor):
+        """This rank's part of one expert's MXFP4 blocks as block records
+        (None where its columns do not start and end on whole blocks)."""
+        moe, i = self.moe, self.moe.spec.intermediate_size
+        if w13:
+            blocks, scales = deinterleave(blocks), deinterleave(scales)
+            rows = torch.cat([torch.arange(moe.first, moe.last), torch.arange(i + moe.first, i + moe.last)])
+            return mxfp4_records(blocks[rows], scales[rows])
+        if moe.first % 32 or moe.last % 32:
+            return None
+        columns = slice(moe.first // 32, moe.last // 32)
+        return mxfp4_records(blocks[:, columns].contiguous(), scales[:, columns].contiguous())
 
 
 def deinterleave(t: torch.Tensor) -> torch.Tensor:
     """Rows (or entries) gate 0, up 0, gate 1, up 1, ... -> [gate | up]."""
     return torch.cat([t[0::2], t[1::2]])
-
-
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """MXFP4 blocks [..., G, 16] uint8 and scales [..., G] uint8 -> the
-    weights [..., G * 32] in `dtype`, exactly (each is a small power of two
-    times an FP4 value). In each byte the low nibble is the earlier value."""
-    lut = torch.tensor(FP4_VALUES, dtype=dtype)
-    low, high = (blocks & 0x0F).long(), (blocks >> 4).long()
-    values = torch.stack([lut[low], lut[high]], dim=-1).flatten(-2)  # [..., G, 32]
-    exponents = scales.to(torch.int32) - 127
-    return torch.ldexp(values, exponents.unsqueeze(-1).to(values.dtype)).flatten(-2)
