@@ -14,9 +14,10 @@ a broken kernel must stop the shard (and fail the tests), not quietly turn
 into the slower fallback. Whether to load them at all is the caller's
 decision (the shard's `--cpu-kernels`); this module reads no setting.
 
-    paged_decode_attention(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window)
+    paged_decode_attention(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window, sinks)
         float32 decode attention straight from the paged cache (float32 or
-        bfloat16), optionally over a sliding window (cpu_attention.cpp)
+        bfloat16), optionally over a sliding window and with attention sinks
+        (cpu_attention.cpp)
     rms_norm(x, residual, weight, eps) -> (normed, sum); rotary_(q, k, cos, sin);
     silu_mul(x): the small ops of a layer, one pass each (cpu_ops.cpp), used by
         ops.CpuOps
@@ -206,6 +207,12 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
-    """`window` (None: the whole context): each sequence attends to its last `window` keys."""
-    torch.ops.sluice_cpu.paged_decode_attention(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window or 0)
+    """`window` (None: the whole context): each sequence attends to its last `window` keys;
+    `sinks` (None, or [Hq]): each query head's sink logit (gpt-oss)."""
+    if sinks is not None:
+        sinks = sinks.float().contiguous()
+    torch.ops.sluice_cpu.paged_decode_attention(
+        out, q, k_cache, v_cache, block_tables, seq_lens, scale, window or 0, sinks
+    )

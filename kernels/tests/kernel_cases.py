@@ -113,10 +113,11 @@ def make_batch(
     )
 
 
-def dense_attention(batch: PagedBatch, window: int | None = None) -> torch.Tensor:
+def dense_attention(batch: PagedBatch, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(Q K^T / sqrt(D)) V per sequence in float64 from the un-paged
     k/v, new token i of a sequence seeing keys [0, cached + i] (with a sliding
-    window W, only the last W of them). [T, Hq, D] float64."""
+    window W, only the last W of them; with `sinks` [Hq], each head's softmax
+    over one more logit, its sink, whose value is zero). [T, Hq, D] float64."""
     num_q_heads, head_dim = batch.q.shape[1:]
     outs = []
     start = 0
@@ -132,7 +133,12 @@ def dense_attention(batch: PagedBatch, window: int | None = None) -> torch.Tenso
         if window is not None:
             hidden |= keys_at <= pos - window
         scores = scores.masked_fill(hidden, float("-inf"))
-        outs.append((scores.softmax(-1) @ v).transpose(0, 1))
+        if sinks is not None:
+            column = sinks.double().view(-1, 1, 1).expand(-1, q_len, 1)
+            probs = torch.cat([scores, column], dim=-1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        outs.append((probs @ v).transpose(0, 1))
         start += q_len
     return torch.cat(outs)
 

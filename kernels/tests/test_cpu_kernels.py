@@ -73,6 +73,21 @@ def test_paged_decode_attention_matches_dense_attention(hq, hkv, dim, seq_lens, 
     torch.testing.assert_close(out.double(), dense_attention(batch, window), **TOLERANCES[torch.float32])
 
 
+@pytest.mark.parametrize("seq_lens,window", [([1], None), ([5, 300, 129], None), ([700, 40], 100)])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_attention_with_sinks(seq_lens, window, cache_dtype):
+    """gpt-oss's attention sinks: the merge of the key parts adds each head's
+    e^sink to the denominator (one part, several, and with a window)."""
+    hq, hkv, dim = 8, 2, 64
+    batch = decode_batch(seq_lens, hq, hkv, dim, cache_dtype, seed=9)
+    sinks = torch.linspace(-3.0, 4.0, hq)
+    out = torch.full_like(batch.q, float("nan"))
+    cpu_kernels.paged_decode_attention(
+        out, batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, dim**-0.5, window, sinks
+    )
+    torch.testing.assert_close(out.double(), dense_attention(batch, window, sinks), **TOLERANCES[torch.float32])
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 def test_paged_decode_attention_does_not_depend_on_the_batch(cache_dtype):
     """A sequence's result is bitwise the same alone and among others (its

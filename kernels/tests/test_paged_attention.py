@@ -35,7 +35,7 @@ CASES = [
 ]
 
 
-def run_kernel(batch, num_splits, window=None):
+def run_kernel(batch, num_splits, window=None, sinks=None):
     reshape_and_cache(batch.k_new, batch.v_new, batch.k_cache, batch.v_cache, batch.slot_mapping)
     num_q_heads, num_kv_heads = batch.q.shape[1], batch.k_cache.shape[2]
     plan = plan_attention(
@@ -43,11 +43,12 @@ def run_kernel(batch, num_splits, window=None):
         num_splits=num_splits,
     )
     args = (batch.q, batch.k_cache, batch.v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, plan)
-    return paged_attention(*args, window=window), paged_attention_reference(*args, window=window)
+    return (paged_attention(*args, window=window, sinks=sinks),
+            paged_attention_reference(*args, window=window, sinks=sinks))
 
 
-def check(batch, out, ref, window=None):
-    dense = dense_attention(batch, window)
+def check(batch, out, ref, window=None, sinks=None):
+    dense = dense_attention(batch, window, sinks)
     tol = TOLERANCES[batch.q.dtype]
     assert out.dtype == batch.q.dtype and not out.isnan().any()
     torch.testing.assert_close(out.float(), ref.float(), **tol)
@@ -89,6 +90,20 @@ def test_sliding_window(window, num_splits, case):
     head_dim, num_q_heads, num_kv_heads, block_size, dtype = case
     batch = make_batch(MIXED, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed=window)
     check(batch, *run_kernel(batch, num_splits, window), window)
+
+
+@pytest.mark.parametrize("window,num_splits,case", [
+    (None, 1, CASES[5]),  # unsplit: the sink enters each row's final sum
+    (None, 3, CASES[1]),  # split decodes: the merge adds it
+    (10, 2, CASES[2]),  # with a window (gpt-oss's sliding layers)
+], ids=str)
+def test_attention_sinks(window, num_splits, case):
+    """gpt-oss's sinks: one more logit per query head in every softmax,
+    some large enough to take most of the weight."""
+    head_dim, num_q_heads, num_kv_heads, block_size, dtype = case
+    batch = make_batch(MIXED, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed=11)
+    sinks = torch.linspace(-3.0, 4.0, num_q_heads, device=batch.q.device)
+    check(batch, *run_kernel(batch, num_splits, window, sinks), window, sinks)
 
 
 def test_long_context():

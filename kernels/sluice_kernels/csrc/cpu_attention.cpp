@@ -21,6 +21,9 @@
 //     m[g] = max_t s[g, t];  l[g] = sum_t e^(s - m);  a[g, :] = sum_t e^(s - m) V[t, h]
 //   merge over p:  M = max_p m_p;  out[b, h*G + g] = sum_p e^(m_p - M) a_p / sum_p e^(m_p - M) l_p
 //
+// With attention sinks (gpt-oss: one logit per query head), the merge's
+// denominator has one more term, e^(sink - M), M then also over the sink.
+//
 // Parts depend on the sequence's own keys alone, so its result is bitwise
 // the same whatever else is in the step.
 //
@@ -318,7 +321,8 @@ void paged_decode_attention(
     const at::Tensor& block_tables,  // [B, >= max blocks] int64
     const at::Tensor& seq_lens,      // [B] int64
     double scale,
-    int64_t window) {                // 0: the whole context; W > 0: the last W keys
+    int64_t window,                  // 0: the whole context; W > 0: the last W keys
+    const std::optional<at::Tensor>& sinks) {  // [Hq] float32: each head's sink logit
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3, "q and out must be [B, Hq, D]");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "caches must be [NB, BS, Hkv, D]");
   TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "q and out must be float32");
@@ -339,6 +343,10 @@ void paged_decode_attention(
               "block_tables must be [B, max_blocks] with contiguous rows");
   TORCH_CHECK(seq_lens.numel() == B && seq_lens.is_contiguous(), "seq_lens must be [B]");
   TORCH_CHECK(window >= 0, "window must be >= 0");
+  TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                                     sinks->numel() == Hq),
+              "sinks must be contiguous float32 [Hq]");
+  const float* sink = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   const int64_t G = Hq / Hkv;
   const int64_t max_blocks = block_tables.size(1);
   const float* qp = q.data_ptr<float>();
@@ -386,9 +394,9 @@ void paged_decode_attention(
       const int64_t b = bh / Hkv, h = bh % Hkv;
       const int64_t item0 = first_item[b] + h * parts[b];
       for (int64_t g = 0; g < G; ++g) {
-        float m = -std::numeric_limits<float>::infinity();
+        float m = sink ? sink[h * G + g] : -std::numeric_limits<float>::infinity();
         for (int64_t p = 0; p < parts[b]; ++p) m = std::max(m, part_m[(item0 + p) * G + g]);
-        float l = 0.f;
+        float l = sink ? exp_nonpositive(sink[h * G + g] - m) : 0.f;
         float* o = op + b * o_row + (h * G + g) * D;
         std::fill(o, o + D, 0.f);
         for (int64_t p = 0; p < parts[b]; ++p) {
@@ -412,7 +420,7 @@ void paged_decode_attention(
 TORCH_LIBRARY_FRAGMENT(sluice_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor seq_lens, float scale, int window=0) -> ()");
+      "Tensor seq_lens, float scale, int window=0, Tensor? sinks=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(sluice_cpu, CPU, m) {

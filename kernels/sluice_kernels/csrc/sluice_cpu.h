@@ -17,7 +17,7 @@ void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor
 at::Tensor silu_mul(const at::Tensor& x);
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                            double scale, int64_t window);
+                            double scale, int64_t window, const std::optional<at::Tensor>& sinks = std::nullopt);
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t N, int64_t isa_code);
 at::Tensor exact_linear(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t N, int64_t isa_code);
 at::Tensor grouped_block_linear(const at::Tensor& x, const std::vector<int64_t>& offsets, const at::Tensor& packed,

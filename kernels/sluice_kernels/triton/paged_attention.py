@@ -37,6 +37,11 @@ log2-sum-exp, and `_merge_kernel` combines them:
 
 A segment with no visible key has lse = -inf and weight 0.
 
+Attention sinks (gpt-oss; `sinks` [Hq], natural-log units): one more term
+e^sink in each row's softmax denominator, with no value. Unsplit, the row's
+final (m, l) absorb it; split, the merge adds 2^(sink * log2 e - M) to its
+denominator (M then the max over the splits' lse and the sink).
+
 Tiles are planned on the host from the batch's Python lists (`plan_attention`)
 once per step and shared by every layer.
 """
@@ -116,7 +121,7 @@ def _attend_keys(
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    tiles_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    tiles_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, sinks_ptr,
     scale_log2, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -126,7 +131,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    SKIP_FULL_MASKS: tl.constexpr, SLIDING: tl.constexpr,
+    SKIP_FULL_MASKS: tl.constexpr, SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -196,6 +201,13 @@ def _paged_attention_kernel(
             BLOCK_N, BLOCK_SIZE, True, SLIDING, DOT_PRECISION, DOT_UPCAST,
         )
 
+    if HAS_SINKS and NUM_SPLITS == 1:
+        # Every row saw its own key, so m_i is finite.
+        sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_sink = tl.maximum(m_i, sink)
+        shrink = tl.exp2(m_i - m_sink)
+        l_i = l_i * shrink + tl.exp2(sink - m_sink)
+        acc = acc * shrink[:, None]
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     store_mask = row_valid[:, None] & dim_ok[None, :]
     if NUM_SPLITS == 1:
@@ -214,10 +226,10 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _merge_kernel(
-    out_ptr, part_out_ptr, part_lse_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, sinks_ptr,
     stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
     head_dim,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -227,12 +239,19 @@ def _merge_kernel(
     lse = tl.load(part_lse_ptr + splits * stride_ls + row * stride_lt + head, mask=split_ok, other=float("-inf"))
     # Split 0 always holds the decode's first visible key (key 0, or its
     # window's first): the max is finite.
-    weight = tl.exp2(lse - tl.max(lse, axis=0))
+    top = tl.max(lse, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        top = tl.maximum(top, sink)
+    weight = tl.exp2(lse - top)
     parts = tl.load(
         part_out_ptr + splits[:, None] * stride_ps + row * stride_pt + head * stride_ph + dims[None, :],
         mask=split_ok[:, None] & (dims < head_dim)[None, :], other=0.0,
     )
-    out = tl.sum(parts * weight[:, None], axis=0) / tl.sum(weight, axis=0)
+    total = tl.sum(weight, axis=0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - top)
+    out = tl.sum(parts * weight[:, None], axis=0) / total
     tl.store(out_ptr + row * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
 
 
@@ -340,11 +359,15 @@ def paged_attention(
     scale: float | None = None,
     out: torch.Tensor | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D] (last dim contiguous), caches [num_blocks, block_size, Hkv, D]
     (last dim contiguous) already holding this step's k/v, query_start_loc [B+1],
     seq_lens [B], block_tables [B, max_blocks] -> out [T, Hq, D] in q's dtype.
-    `scale` defaults to 1/sqrt(D); `window` (None: global) is the sliding window."""
+    `scale` defaults to 1/sqrt(D); `window` (None: global) is the sliding window;
+    `sinks` (None, or [Hq]) each head's sink logit."""
+    if sinks is not None and sinks.shape != (q.shape[1],):
+        raise ValueError(f"sinks {tuple(sinks.shape)} must hold one logit per query head ({q.shape[1]})")
     _check(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "head dim must be contiguous"
     assert block_tables.stride(1) == 1, "block table rows must be contiguous"
@@ -373,7 +396,7 @@ def paged_attention(
         grid = (launch.tiles.shape[0], num_kv_heads, splits)
         _paged_attention_kernel[grid](
             q, k_cache, v_cache, out, part_out, part_lse,
-            launch.tiles, query_start_loc, seq_lens, block_tables,
+            launch.tiles, query_start_loc, seq_lens, block_tables, out if sinks is None else sinks,
             scale * LOG2E, window or 0,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -386,16 +409,17 @@ def paged_attention(
             BLOCK_N=launch.block_n, BLOCK_D=block_d, BLOCK_SIZE=block_size,
             NUM_SPLITS=splits, DOT_PRECISION=precision, DOT_UPCAST=upcast,
             SKIP_FULL_MASKS=launch.block_q > 1 and window is None, SLIDING=window is not None,
-            num_warps=launch.num_warps, num_stages=launch.num_stages,
+            HAS_SINKS=sinks is not None, num_warps=launch.num_warps, num_stages=launch.num_stages,
         )
         if splits > 1:
             _merge_kernel[(launch.num_rows, num_q_heads)](
-                out, part_out, part_lse,
+                out, part_out, part_lse, out if sinks is None else sinks,
                 out.stride(0), out.stride(1),
                 part_out.stride(0), part_out.stride(1), part_out.stride(2),
                 part_lse.stride(0), part_lse.stride(1),
                 head_dim,
                 NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), BLOCK_D=block_d,
+                HAS_SINKS=sinks is not None,
             )
     return out
 
@@ -411,6 +435,7 @@ def paged_attention_reference(
     scale: float | None = None,
     out: torch.Tensor | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The same attention, one sequence at a time, in float32 (`plan` is ignored)."""
     _check(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
@@ -437,5 +462,10 @@ def paged_attention_reference(
         if window is not None:
             hidden |= keys_at <= positions[:, None] - window
         scores.masked_fill_(hidden, float("-inf"))
-        out[rows] = (scores.softmax(-1) @ values).transpose(0, 1).to(out.dtype)
+        if sinks is None:
+            probs = scores.softmax(-1)
+        else:  # a column of each head's sink logit, dropped after the softmax
+            sink = sinks.float().view(-1, 1, 1).expand(-1, q_len, 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        out[rows] = (probs @ values).transpose(0, 1).to(out.dtype)
     return out

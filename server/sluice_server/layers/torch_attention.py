@@ -75,7 +75,8 @@ class TorchAttention(AttentionBackend):
     Sliding-window layers use the same calls with the window folded into the
     masks; those masks are built once per step and window, on first use.
     Layers with attention sinks (gpt-oss) take `attend_with_sinks` instead
-    of SDPA, over the same keys and masks.
+    of SDPA, over the same keys and masks (decodes: the C++ kernel, which
+    adds the sinks to its merge).
     """
 
     name = "torch"
@@ -147,7 +148,7 @@ class TorchAttention(AttentionBackend):
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if layer.sinks is not None:
-            return self._forward_with_sinks(q, k, v, k_cache, v_cache, state, nd, layer, out)
+            return self._forward_with_sinks(q, k, v, k_cache, v_cache, state, meta, layer, out)
         if nd and self._use_kernel(q, k_cache):
             cpu_kernel_loader.paged_decode_attention(
                 out[:nd], q[:nd], k_cache, v_cache, state["decode_tables"], meta.seq_lens[:nd],
@@ -177,13 +178,20 @@ class TorchAttention(AttentionBackend):
             out[start:end] = o.transpose(0, 1)
         return out
 
-    def _forward_with_sinks(self, q, k, v, k_cache, v_cache, state, nd, layer, out):
-        """The same reads as `forward`, through attend_with_sinks."""
+    def _forward_with_sinks(self, q, k, v, k_cache, v_cache, state, meta, layer, out):
+        """The same reads as `forward`: decodes on the C++ kernel (which takes
+        the sinks) where it runs, the rest through attend_with_sinks."""
+        nd = meta.num_decodes
         num_q_heads, dim = q.shape[1], q.shape[2]
         num_kv_heads = k.shape[1]
         group = num_q_heads // num_kv_heads
         scale = dim**-0.5 if layer.scale is None else layer.scale
-        if nd:
+        if nd and self._use_kernel(q, k_cache):
+            cpu_kernel_loader.paged_decode_attention(
+                out[:nd], q[:nd], k_cache, v_cache, state["decode_tables"], meta.seq_lens[:nd], scale,
+                layer.window_for(meta.seq_lens_list), layer.sinks,
+            )
+        elif nd:
             tables, length = state["decode_tables"], state["decode_len"]
             keys = gather_kv(k_cache, tables, length).to(q.dtype).unsqueeze(2)
             values = gather_kv(v_cache, tables, length).to(q.dtype).unsqueeze(2)

@@ -24,6 +24,7 @@ class TritonAttention(AttentionBackend):
     device's SM count and the batch); tests use it to cover the merge on CPU."""
 
     name = "triton"
+    supports_sinks = True
 
     def __init__(self, num_splits: int | None = None, prefill_block_m: int = 64):
         self.num_splits = num_splits
@@ -53,5 +54,5 @@ class TritonAttention(AttentionBackend):
         plan = self._plan(meta, q.shape[1], k.shape[1], q.device)
         return paged_attention(
             q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, plan,
-            scale=layer.scale, window=layer.window_for(meta.seq_lens_list),
+            scale=layer.scale, window=layer.window_for(meta.seq_lens_list), sinks=layer.sinks,
         )
