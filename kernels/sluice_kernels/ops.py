@@ -10,7 +10,8 @@ file is the same for all:
                  (one pass per op), else TorchOps.
     TritonOps  - CUDA, or CPU under TRITON_INTERPRET=1: the kernels of
                  `sluice_kernels.triton` (rms_norm with the residual add
-                 fused, rotary in place on q and k, silu_mul).
+                 fused, rotary in place on q and k, silu_mul, the grouped
+                 expert MLP of mixture-of-experts layers).
 
 Rotary tables: both compute the cos/sin of the step's own positions once per
 step (T x D/2 floats, shared by every layer), so no table over the whole
@@ -26,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from sluice_kernels.moe import expert_mlp_reference
 
 
 @dataclass
@@ -89,6 +92,11 @@ class TorchOps:
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 
+    def expert_mlp(self, x, ids, weights, w13, w2, b13, b2, act):
+        """A mixture-of-experts layer's grouped expert MLP (sluice_kernels.moe):
+        x [T, H], each token's experts ids [T, k] and weights [T, k] -> [T, H]."""
+        return expert_mlp_reference(x, ids, weights, w13, w2, b13, b2, act)
+
 
 def _cpu_f32(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
@@ -121,9 +129,11 @@ class TritonOps(TorchOps):
         # Imported here: the CPU path never imports triton.
         from sluice_kernels.triton.rms_norm import rms_norm
         from sluice_kernels.triton.rotary import rotary_embedding_
+        from sluice_kernels.triton.moe import fused_moe
         from sluice_kernels.triton.silu_mul import silu_mul
 
         self._rms_norm, self._rotary, self._silu_mul = rms_norm, rotary_embedding_, silu_mul
+        self._fused_moe = fused_moe
 
     def rms_norm(self, x, weight, eps, residual):
         return self._rms_norm(x, weight, eps, residual)
@@ -133,3 +143,6 @@ class TritonOps(TorchOps):
 
     def silu_mul(self, x):
         return self._silu_mul(x)
+
+    def expert_mlp(self, x, ids, weights, w13, w2, b13, b2, act):
+        return self._fused_moe(x, ids, weights, w13, w2, b13, b2, act)

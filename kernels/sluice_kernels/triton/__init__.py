@@ -11,6 +11,8 @@ with (README.md here has the design, the tolerances and GPU timings):
 - `rms_norm`          - RMSNorm fused with the residual add.
 - `rotary`            - rotary embedding (GPT-NeoX rotate-half), in place on q and k.
 - `silu_mul`          - SiLU(gate) * up for the MLP.
+- `moe`               - the grouped expert MLP of mixture-of-experts layers
+                        (tiles of one expert's tokens, a grouped GEMM).
 
 Importing a module here imports triton; the CPU path of the shard never does.
 Tests run the kernels under Triton's interpreter (TRITON_INTERPRET=1) on CPU

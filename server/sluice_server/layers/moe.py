@@ -19,7 +19,7 @@ gate clamped above at `limit`, up clamped to [-limit, limit],
 The experts themselves run as one grouped computation per layer
 (sluice_kernels.moe: tokens grouped by expert, each selected expert's
 weights read once; the plain-torch reference, the C++ kernel on GGUF or
-MXFP4 blocks on CPU). Each token's experts are listed in ascending order,
+MXFP4 blocks on CPU, Triton's grouped GEMM through the backend's ops). Each token's experts are listed in ascending order,
 the order transformers adds their outputs in.
 
 Tensor parallelism splits every expert's intermediate dimension, as the
@@ -51,7 +51,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sluice_kernels.moe import ACTIVATIONS, Activation, expert_mlp_reference
+from sluice_kernels.moe import ACTIVATIONS, Activation
+from sluice_kernels.ops import TorchOps
 from sluice_server.distributed import Distributed, shard_range
 
 SOFTMAX_TOPK = "softmax_topk"
@@ -120,10 +121,13 @@ class FusedMoE(nn.Module):
 
     quantized = None
 
-    def __init__(self, spec: MoESpec, dist: Distributed):
+    def __init__(self, spec: MoESpec, dist: Distributed, ops: TorchOps | None = None):
         super().__init__()
         self.spec = spec
         self.dist = dist
+        # The backend's ops: their expert_mlp is the grouped computation
+        # (plain torch, or Triton's grouped GEMM on CUDA).
+        self.ops = ops or TorchOps()
         e, h, i = spec.num_experts, spec.hidden_size, spec.intermediate_size
         # shard_range raises when the intermediate size does not split evenly.
         self.first, self.last = shard_range(i, dist)
@@ -205,7 +209,7 @@ class FusedMoE(nn.Module):
         if self.quantized is not None and self.quantized.handles(x):
             y = self.quantized.mlp(x, ids, weights, self.w13_bias, b2, self.spec.act)
         else:
-            y = expert_mlp_reference(x, ids, weights, self.w13_weight, self.w2_weight, self.w13_bias, b2, self.spec.act)
+            y = self.ops.expert_mlp(x, ids, weights, self.w13_weight, self.w2_weight, self.w13_bias, b2, self.spec.act)
         return self.dist.all_reduce(y)
 
 

@@ -67,7 +67,7 @@ class MoEDecoderLayer(LlamaDecoderLayer):
     """A Llama layer whose MLP is the expert layer, where the config says so."""
 
     def feed_forward(self, cfg: MoEConfig, dist, backend, index) -> nn.Module:
-        return FusedMoE(cfg.moe, dist) if cfg.moe_layers[index] else LlamaMLP(cfg, dist, backend)
+        return FusedMoE(cfg.moe, dist, backend.ops) if cfg.moe_layers[index] else LlamaMLP(cfg, dist, backend)
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
