@@ -189,6 +189,8 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
         max_position_embeddings: shard_info.max_position_embeddings,
         num_blocks,
         attention_backend: shard_info.attention_backend.clone(),
+        total_parameters: shard_info.total_parameters,
+        active_parameters: shard_info.active_parameters,
     };
     let scheduler_config = SchedulerConfig {
         max_batch_prefill_tokens: limits.max_batch_prefill_tokens,
@@ -275,6 +277,8 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
             cpu_matmuls: Some(shard_info.cpu_matmuls.clone()).filter(|plan| !plan.is_empty()),
             cpu_kernels: shard_info.cpu_kernels.clone(),
             weight_bytes: shard_info.weight_bytes,
+            total_parameters: info.total_parameters,
+            active_parameters: info.active_parameters,
             router: "sluice".into(),
             version: env!("CARGO_PKG_VERSION").into(),
             hourly_cost: config.serving.hourly_cost,

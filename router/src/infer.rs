@@ -226,6 +226,10 @@ pub struct ShardInfo {
     pub max_position_embeddings: u32,
     pub num_blocks: u32,
     pub attention_backend: String,
+    /// All the model's parameters, and those one token runs through (fewer
+    /// for mixtures of experts).
+    pub total_parameters: u64,
+    pub active_parameters: u64,
 }
 
 /// Snapshot of the scheduler for /metrics, readiness and tests.

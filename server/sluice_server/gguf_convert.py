@@ -263,17 +263,27 @@ def _write_folder(gguf_path: Path, folder: Path) -> None:
     (folder / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf_path)}) + "\n")
 
 
+# Config keys transformers' GGUF reader does not map although the weights'
+# shapes depend on them: {architecture: {config key: GGUF metadata key}}.
+# Without them it assumes Qwen3's head_dim of 128 and Qwen3-30B-A3B's expert
+# width of 768.
+CONFIG_GAPS = {
+    "qwen3": {"head_dim": "qwen3.attention.key_length"},
+    "qwen3moe": {"moe_intermediate_size": "qwen3moe.expert_feed_forward_length"},
+}
+
+
 def _config_option(source: dict, header: GGUFHeader) -> dict:
-    """A config for transformers' reader where its GGUF metadata map misses a
-    key the weights' shapes depend on: Qwen3-MoE's expert width
-    (`expert_feed_forward_length`, else the 768 of Qwen3-30B-A3B)."""
-    width = header.metadata.get("qwen3moe.expert_feed_forward_length")
-    if header.architecture != "qwen3moe" or width is None:
+    """A config for transformers' reader with the CONFIG_GAPS the file fills."""
+    gaps = {key: header.metadata[meta] for key, meta in CONFIG_GAPS.get(header.architecture, {}).items()
+            if meta in header.metadata}
+    if not gaps:
         return {}
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(**source, trust_remote_code=False)
-    config.moe_intermediate_size = int(width)
+    for key, value in gaps.items():
+        setattr(config, key, int(value))
     return {"config": config}
 
 

@@ -87,6 +87,8 @@ class Shard:
             cpu_matmuls=r.cpu_matmuls.describe() if r.cpu_matmuls else "",
             cpu_kernels=r.cpu_kernels_isa,
             weight_bytes=r.weight_bytes,
+            total_parameters=r.total_parameters,
+            active_parameters=r.active_parameters,
         )
 
     def warmup(self, req: shard_pb2.WarmupRequest) -> shard_pb2.WarmupResponse:

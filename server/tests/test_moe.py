@@ -66,6 +66,15 @@ def test_softmax_topk_without_renormalisation_keeps_probabilities():
     assert torch.all(weights.sum(-1) < 1)
 
 
+def test_active_parameters_count_the_chosen_experts(tmp_path):
+    """Qwen3-MoE tiny: 8 experts of 3 x 64 x 32, 2 chosen per token, in each of 2 layers."""
+    folder = make_tiny_model(tmp_path, "qwen3_moe")
+    runner = ModelRunner(folder, dtype="float32", pack_weights=False)
+    assert runner.total_parameters == sum(p.numel() for p in runner.model.parameters())
+    experts = 2 * 8 * 3 * 64 * 32
+    assert runner.active_parameters == runner.total_parameters - experts + experts * 2 // 8
+
+
 def test_a_bad_top_k_is_refused():
     with pytest.raises(ValueError, match=r"num_experts_per_tok=9 must be in \[1, num_experts=8\]"):
         spec(top_k=9)

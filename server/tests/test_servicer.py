@@ -100,6 +100,12 @@ def test_info(server):
     assert (info.world_size, info.rank, info.block_size, info.vocab_size) == (1, 0, BLOCK, 128)
     assert list(info.eos_token_ids) == [2]
     assert info.max_position_embeddings == 256 and info.attention_backend == "torch"
+    # The tiny tied Llama: the embedding 128 x 64 (the LM head is the same
+    # weight), per layer q/k/v/o 64 x (64 + 32 + 32 + 64), MLP 3 x 64 x 96,
+    # two norms; the final norm.
+    per_layer = 64 * 192 + 3 * 64 * 96 + 2 * 64
+    assert info.total_parameters == 128 * 64 + 2 * per_layer + 64
+    assert info.active_parameters == info.total_parameters  # dense
 
 
 def test_discovery_and_health(server):

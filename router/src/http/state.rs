@@ -44,6 +44,10 @@ pub struct Info {
     pub cpu_kernels: String,
     /// Bytes of model weights one shard holds in memory, every form counted.
     pub weight_bytes: u64,
+    /// The model's parameters; `active_parameters` those one token runs
+    /// through (fewer than the total for mixtures of experts).
+    pub total_parameters: u64,
+    pub active_parameters: u64,
     pub router: String,
     pub version: String,
     /// Dollars per hour (`--hourly-cost`); null when not configured.

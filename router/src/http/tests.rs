@@ -85,6 +85,8 @@ fn build_with_shard(setup: Setup) -> (Router, Arc<AppState>, FakeShardHandle) {
         max_position_embeddings: 64,
         num_blocks: fake.num_blocks,
         attention_backend: "torch".into(),
+        total_parameters: 1000,
+        active_parameters: 400,
     };
     let (shard, handle) = FakeShard::new(fake);
     let infer = spawn(shard, config, info);
@@ -120,6 +122,8 @@ fn build_with_shard(setup: Setup) -> (Router, Arc<AppState>, FakeShardHandle) {
             cpu_matmuls: Some("dense float32 weights (oneDNN)".into()),
             cpu_kernels: "portable".into(),
             weight_bytes: 1 << 20,
+            total_parameters: 1000,
+            active_parameters: 400,
             router: "sluice".into(),
             version: "test".into(),
             hourly_cost: setup.hourly_cost,
@@ -633,6 +637,7 @@ async fn info_models_tokenize_metrics_and_openapi() {
         (Some("float32"), Some("portable"), Some(1 << 20))
     );
     assert_eq!(info["cpu_matmuls"], "dense float32 weights (oneDNN)");
+    assert_eq!((info["total_parameters"].as_u64(), info["active_parameters"].as_u64()), (Some(1000), Some(400)));
     let (_, _, models) = call(&app, "GET", "/v1/models", None).await;
     assert_eq!(serde_json::from_str::<Value>(&models).unwrap()["data"][0]["id"], "tiny");
     let (status, tokens) = post(&app, "/tokenize", json!({"inputs": "Hello"})).await;

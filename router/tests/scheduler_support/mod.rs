@@ -49,6 +49,8 @@ pub fn shard_info(config: &SchedulerConfig) -> ShardInfo {
         max_position_embeddings: 1 << 16,
         num_blocks: config.num_blocks,
         attention_backend: "torch".into(),
+        total_parameters: 0,
+        active_parameters: 0,
     }
 }
 

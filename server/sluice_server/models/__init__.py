@@ -32,6 +32,7 @@ stacked experts) adds a `checkpoint_target` hook, consulted first.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -160,6 +161,27 @@ def _pieces(model: nn.Module, target: str, tensor_slice) -> list[tuple[object, i
     if tensor_slice.get_shape()[0] != starts[-1]:
         raise ValueError(f"checkpoint tensor {target!r} has {tensor_slice.get_shape()[0]} rows, expected {starts[-1]}")
     return [(RowRange(tensor_slice, starts[i], starts[i + 1]), i) for i in range(len(sizes))]
+
+
+def parameter_counts(folder: Path, config) -> tuple[int, int]:
+    """(total, active) parameters of the checkpoint in `folder`, from its
+    tensors' shapes (no data is read): every tensor once (a tied LM head is
+    not stored), an MXFP4 byte as two values and its block scales as none;
+    active: the expert tensors (`.experts.`) count num_experts_per_tok /
+    num_experts of theirs (`config.moe`, absent for dense models)."""
+    total = experts = 0
+    for path in safetensors_files(folder):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.endswith("_scales") and ".experts." in name:
+                    continue
+                n = math.prod(f.get_slice(name).get_shape()) * (2 if name.endswith("_blocks") else 1)
+                total += n
+                experts += n if ".experts." in name else 0
+    moe = getattr(config, "moe", None)
+    if moe is None:
+        return total, total
+    return total, total - experts + experts * moe.top_k // moe.num_experts
 
 
 def load_weights(model: nn.Module, folder: Path) -> None:
