@@ -149,16 +149,20 @@ def _from_hub(repo_id: str, revision: str | None, hub_cache: Path) -> Path:
 
 def _check_model_type(repo_id: str, revision: str | None, hub_cache: Path, offline: bool, where: str) -> None:
     """Fetches config.json alone and refuses a model_type no family serves,
-    before any weight is downloaded."""
+    or a rope scaling type no rotary implements, before any weight is
+    downloaded."""
     import json
 
     from huggingface_hub import hf_hub_download
 
+    from sluice_server.layers.rotary import check_rope_types
     from sluice_server.models import model_class
 
     config = hf_hub_download(repo_id, "config.json", revision=revision, cache_dir=hub_cache, local_files_only=offline)
     try:
-        model_class(json.loads(Path(config).read_text()).get("model_type", "<missing>"))
+        config = json.loads(Path(config).read_text())
+        model_class(config.get("model_type", "<missing>"))
+        check_rope_types(config)
     except ValueError as error:
         raise ModelResolutionError(f"{where}: {error}") from None
 

@@ -459,6 +459,10 @@ class ModelRunner:
         The dummy step prefills max_batch_prefill_tokens tokens, split into
         sequences of at most max_total_tokens, with logits for every token (the
         prompt_logprobs worst case), in a temporary cache just big enough.
+        The weights (every expert's, for mixtures of experts) are loaded
+        before, so the budget is what is left beside them; an expert layer's
+        activations are T x top_k rows however its tokens are routed, so the
+        dummy step's routing (every token alike) is its worst case too.
         """
         if min(max_batch_prefill_tokens, max_batch_size, max_total_tokens) == 0:
             raise ValueError("warmup limits must all be > 0")

@@ -204,8 +204,20 @@ def test_unsupported_model_type_is_refused_before_downloading(online, tmp_path):
     (snapshot / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     hub = online(["config.json", "model.safetensors"], snapshot)
     with pytest.raises(ModelResolutionError, match="acme/gpt: model_type 'gpt2' is not supported; supported: "
-                                                   "gemma3_text, llama, mistral, phi3, qwen2, qwen3"):
+                                                   "gemma3_text, gpt_oss, llama, mistral, mixtral, phi3, qwen2, "
+                                                   "qwen3, qwen3_moe"):
         resolve_model("acme/gpt", cache_dir=str(tmp_path / "c"))
+    assert hub.downloads == []
+
+
+def test_unsupported_rope_scaling_is_refused_before_downloading(online, tmp_path):
+    snapshot = write_model_files(tmp_path / "snap")
+    config = {"model_type": "llama", "rope_scaling": {"rope_type": "mrope", "factor": 2.0}}
+    (snapshot / "config.json").write_text(json.dumps(config))
+    hub = online(["config.json", "model.safetensors"], snapshot)
+    with pytest.raises(ModelResolutionError, match=r"acme/m: rope_type 'mrope' is not supported \(supported: default, "
+                                                   r"linear, llama3, longrope, yarn, dynamic\)"):
+        resolve_model("acme/m", cache_dir=str(tmp_path / "c"))
     assert hub.downloads == []
 
 

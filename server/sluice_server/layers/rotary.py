@@ -76,6 +76,16 @@ def rope_parameters(config: dict[str, Any], params: dict[str, Any] | None = None
     return params
 
 
+def check_rope_types(config: dict[str, Any]) -> None:
+    """Raises, naming it, for a rope type of config.json (any layout: one
+    dict, or Gemma 3's one per layer type) that no rotary here implements."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    for p in [v for v in params.values() if isinstance(v, dict)] or [params]:
+        kind = p.get("rope_type", p.get("type", "default"))
+        if kind not in ROPE_TYPES + ("su",):
+            raise ValueError(f"rope_type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+
+
 def context_length(params: dict[str, Any], max_position_embeddings: int) -> int:
     """The longest context the model serves under its rope settings: what
     config.json says (`max_position_embeddings`), except for the types that
