@@ -101,6 +101,12 @@ pub(crate) mod tests {
     /// are the bytes <0x00>..<0xFF>, the decoder turns '▁' into a space,
     /// fuses bytes into UTF-8 and strips one leading space.
     pub(crate) fn byte_fallback_tokenizer() -> Tokenizer {
+        Tokenizer::new(byte_fallback_inner())
+    }
+
+    /// The tokenizers library's tokenizer behind `byte_fallback_tokenizer`
+    /// (for tests that add tokens to it).
+    pub(crate) fn byte_fallback_inner() -> tokenizers::Tokenizer {
         let mut vocab = serde_json::Map::new();
         for (i, t) in ["<unk>", "<s>", "</s>"].iter().enumerate() {
             vocab.insert(t.to_string(), i.into());
@@ -138,8 +144,7 @@ pub(crate) mod tests {
                 "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
                 "vocab": vocab, "merges": []}
         });
-        let inner: tokenizers::Tokenizer = json.to_string().parse().unwrap();
-        Tokenizer::new(inner)
+        json.to_string().parse().unwrap()
     }
 
     fn byte(b: u8) -> u32 {

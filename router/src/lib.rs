@@ -29,7 +29,8 @@
 //! choice, Lark/GBNF) with llguidance at validation time; `tool_calls` turns
 //! declared tools into such a grammar and parses calls back out of the text;
 //! `reasoning` splits a reasoning model's thinking off the answer (and puts
-//! the answer's grammar after it).
+//! the answer's grammar after it); `harmony` splits gpt-oss's channels
+//! (reasoning, tool calls, answer), not yet wired into the chat endpoints.
 //!
 //! The Batch API (`batch`): uploaded JSONL files and batches kept in an
 //! SQLite file under `--data-dir`; its runner sends each line through the
@@ -60,6 +61,7 @@ pub mod stop;
 pub mod grammar;
 pub mod tool_calls;
 pub mod reasoning;
+pub mod harmony;
 
 pub mod cli;
 pub mod config;
