@@ -41,6 +41,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("server",
 from sluice_server.download import resolve_model  # noqa: E402
 from sluice_server.model_runner import ModelRunner  # noqa: E402
 from sluice_server.servicer import Shard  # noqa: E402
+from sluice_server.testing import add_bpe_vocabulary  # noqa: E402
 from step_bench import memory_bandwidth, run  # noqa: E402
 
 
@@ -92,12 +93,7 @@ def write_gguf(path: Path, args, moe: bool) -> None:
         writer.add_expert_used_count(args.top_k)
         writer.add_expert_feed_forward_length(args.expert_width)
     tokens, merges = vocabulary(args.vocab)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([1] * (len(tokens) - 1) + [3])
-    writer.add_token_merges(merges)
-    writer.add_eos_token_id(len(tokens) - 1)
+    add_bpe_vocabulary(writer, tokens, merges)
     rng = np.random.default_rng(0)
 
     def matrix(name: str, *shape: int) -> None:

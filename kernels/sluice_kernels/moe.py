@@ -103,15 +103,21 @@ def group_by_expert(ids: torch.Tensor, num_experts: int) -> ExpertGroups:
 
 
 def combine(rows: torch.Tensor, groups: ExpertGroups, weights: torch.Tensor) -> torch.Tensor:
-    """rows [T*k, H] in expert order -> [T, H]: each token's k outputs times
-    their weights, added in slot order."""
-    t, k = weights.shape
+    """rows [T*k, H] in expert order -> [T, H] (weighted_sum of them in slot order)."""
     per_slot = torch.empty_like(rows)
     per_slot[groups.order] = rows
-    per_slot = per_slot.view(t, k, -1) * weights.unsqueeze(-1).to(rows.dtype)
-    out = per_slot[:, 0].clone()
+    return weighted_sum(per_slot, weights)
+
+
+def weighted_sum(per_slot: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """per_slot [T*k, H] in slot order, weights [T, k] -> [T, H]: each token's
+    k outputs times their weights, added slot by slot (the order the C++
+    kernel adds them in)."""
+    t, k = weights.shape
+    scaled = per_slot.view(t, k, -1) * weights.unsqueeze(-1).to(per_slot.dtype)
+    out = scaled[:, 0].clone()
     for j in range(1, k):
-        out += per_slot[:, j]
+        out += scaled[:, j]
     return out
 
 

@@ -240,3 +240,17 @@ def to_mxfp4_checkpoint(folder: Path) -> Path:
     }
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
+
+
+def add_bpe_vocabulary(writer, tokens: list[str], merges: list[str]) -> None:
+    """A byte-level BPE vocabulary in a GGUF's metadata (gguf.GGUFWriter):
+    its tokens (the last one end-of-text, also the bos, eos and pad token)
+    and merges, as transformers' GGUF reader turns them into a tokenizer."""
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (len(tokens) - 1) + [3])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(len(tokens) - 1)
+    writer.add_eos_token_id(len(tokens) - 1)
+    writer.add_pad_token_id(len(tokens) - 1)

@@ -100,6 +100,17 @@ class Driver:
         return torch.stack([self.logits[rid][p] for p in range(start, end)])
 
 
+def prefill_then_decodes(runner: ModelRunner, tokens: list[int], decodes: int) -> torch.Tensor:
+    """The logits of every token of one sequence prefilled but for its last
+    `decodes` tokens, which then come one decode step each: [len, vocab]."""
+    d = Driver(runner)
+    r = d.request(1, tokens)
+    d.step([(r, len(tokens) - decodes)])
+    for _ in range(decodes):
+        d.step([(r, 1)])
+    return d.computed(1, 0, len(tokens))
+
+
 # The real models, converted once: smollm2_gguf/_dir and gemma3_gguf/_dir.
 from _fixtures_model import gemma3_dir, gemma3_gguf, smollm2_dir, smollm2_gguf  # noqa: E402,F401
 

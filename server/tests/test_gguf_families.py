@@ -27,6 +27,7 @@ import torch
 from sluice_server.download import resolve_model
 from sluice_server.gguf_convert import GGUF_ARCHITECTURES
 from sluice_server.model_runner import ModelRunner
+from sluice_server.testing import add_bpe_vocabulary
 
 from conftest import Driver, make_tiny_model
 
@@ -111,14 +112,8 @@ def write_gguf(path: Path, arch: str, hf_folder: Path, oracle_folder: Path) -> d
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
         writer.add_sliding_window(config["sliding_window"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([1] * (len(tokens) - 1) + [3])
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(len(tokens) - 1)
-    writer.add_eos_token_id(len(tokens) - 1)
-    writer.add_pad_token_id(len(tokens) - 1)  # else Phi-3's default, 32000, is past this vocabulary
+    # A pad token inside the vocabulary: Phi-3's default, 32000, is past it.
+    add_bpe_vocabulary(writer, tokens, merges)
     rng = np.random.default_rng(0)
     types: dict[str, str] = {}
     weights = load_file(str(hf_folder / "model.safetensors"))

@@ -25,8 +25,9 @@ import torch
 
 from sluice_server.download import resolve_model
 from sluice_server.model_runner import ModelRunner
+from sluice_server.testing import add_bpe_vocabulary
 
-from conftest import Driver, make_tiny_model, reference_logits
+from conftest import make_tiny_model, prefill_then_decodes, reference_logits
 from test_gguf_families import VOCAB_BYTES, random_blocks, vocabulary
 
 # Expert projections: GGUF's stacked tensor per checkpoint name, by family.
@@ -98,13 +99,7 @@ def write_gguf(path: Path, arch: str, hf_folder: Path, block_type: str | None, r
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(rope["factor"])
         writer.add_rope_scaling_orig_ctx_len(rope["original"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([1] * (len(tokens) - 1) + [3])
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(len(tokens) - 1)
-    writer.add_eos_token_id(len(tokens) - 1)
+    add_bpe_vocabulary(writer, tokens, merges)
     rng = np.random.default_rng(0)
     for name, tensor in sorted(gguf_tensors(hf_folder, arch).items()):
         if block_type is None or tensor.dim() == 1:
@@ -125,12 +120,7 @@ SIZES = dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddin
 def run(folder: Path | ModelRunner, tokens: list[int]) -> torch.Tensor:
     """Logits of every token: a prefill of all but 4, then 4 decode steps."""
     runner = folder if isinstance(folder, ModelRunner) else ModelRunner(folder, dtype="float32", block_size=4)
-    d = Driver(runner)
-    r = d.request(1, tokens)
-    d.step([(r, len(tokens) - 4)])
-    for _ in range(4):
-        d.step([(r, 1)])
-    return d.computed(1, 0, len(tokens))
+    return prefill_then_decodes(runner, tokens, 4)
 
 
 def test_mixtral_gguf_restores_the_checkpoint(tmp_path):

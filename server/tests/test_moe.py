@@ -15,7 +15,7 @@ from sluice_kernels import cpu_kernels
 from sluice_kernels.moe import dequantize_mxfp4
 from sluice_server.testing import quantize_mxfp4, to_mxfp4_checkpoint
 
-from conftest import Driver, make_tiny_model, reference_logits
+from conftest import Driver, make_tiny_model, prefill_then_decodes, reference_logits
 
 
 def spec(**kw) -> moe.MoESpec:
@@ -100,21 +100,11 @@ def mxfp4_folder(tmp_path_factory):
     return to_mxfp4_checkpoint(make_tiny_model(tmp_path_factory.mktemp("mxfp4"), "gpt_oss", seed=4))
 
 
-def steps(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
-    """Logits of every token: a prefill of all but 5, then 5 decodes."""
-    d = Driver(runner)
-    r = d.request(1, tokens)
-    d.step([(r, len(tokens) - 5)])
-    for _ in range(5):
-        d.step([(r, 1)])
-    return d.computed(1, 0, len(tokens))
-
-
 def test_mxfp4_checkpoint_matches_transformers(mxfp4_folder):
     """Dense: the blocks expanded at load, as transformers does on CPU."""
     runner = ModelRunner(mxfp4_folder, dtype="float32", block_size=4, pack_weights=False)
     tokens = torch.randint(3, 128, (33,), generator=torch.Generator().manual_seed(3)).tolist()
-    torch.testing.assert_close(steps(runner, tokens), reference_logits(mxfp4_folder, tokens), atol=1e-4, rtol=0)
+    torch.testing.assert_close(prefill_then_decodes(runner, tokens, 5), reference_logits(mxfp4_folder, tokens), atol=1e-4, rtol=0)
 
 
 @pytest.mark.skipif(not cpu_kernels.load(), reason="the CPU kernels did not build")
@@ -129,7 +119,7 @@ def test_mxfp4_experts_run_on_their_blocks(mxfp4_folder):
         runner = ModelRunner(mxfp4_folder, dtype=dtype, block_size=4)
         for layer in runner.model.model.layers:
             assert layer.mlp.quantized is not None and layer.mlp.w13_weight.numel() == 0, dtype
-        logits[dtype] = steps(runner, tokens)
+        logits[dtype] = prefill_then_decodes(runner, tokens, 5)
     torch.testing.assert_close(logits["float32"], want, atol=1e-4, rtol=0)
     assert (logits["auto"] - want).norm() / want.norm() < 0.05
 

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sluice_kernels.moe import Activation, expert_mlp_reference
+from sluice_kernels.moe import Activation, expert_mlp_reference, weighted_sum
 from sluice_kernels.triton import triton_interpreting
 
 
@@ -137,11 +137,7 @@ def fused_moe(
     x = x.contiguous()
     h = grouped_matmul(x, w13, b13, rows, tile_expert, t * k, k, block_m)
     y = grouped_matmul(act(h).contiguous(), w2, b2, rows, tile_expert, t * k, 1, block_m)
-    per_slot = y.view(t, k, -1) * weights.unsqueeze(-1).to(y.dtype)
-    out = per_slot[:, 0].clone()
-    for j in range(1, k):
-        out += per_slot[:, j]
-    return out
+    return weighted_sum(y, weights)
 
 
 fused_moe_reference = expert_mlp_reference

@@ -19,22 +19,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from sluice_server.layers.moe import SOFTMAX_TOPK, MoESpec
+from sluice_server.layers.moe import MoESpec
 from sluice_server.models.llama import LlamaForCausalLM
-from sluice_server.models.qwen3_moe import MoEConfig, MoEDecoderLayer, num_experts
+from sluice_server.models.qwen3_moe import MoEConfig, MoEDecoderLayer, softmax_topk_spec
 
 
 class MixtralConfig(MoEConfig):
     @staticmethod
     def moe_spec(c: dict[str, Any]) -> MoESpec:
-        return MoESpec(
-            num_experts=num_experts(c),
-            top_k=c["num_experts_per_tok"],
-            hidden_size=c["hidden_size"],
-            intermediate_size=c["intermediate_size"],
-            scoring=SOFTMAX_TOPK,
-            renormalize=True,
-        )
+        return softmax_topk_spec(c, c["intermediate_size"], renormalize=True)
 
     @staticmethod
     def expert_layers(c: dict[str, Any]) -> tuple[bool, ...]:

@@ -42,20 +42,25 @@ class MoEConfig(LlamaConfig):
 
     @staticmethod
     def moe_spec(c: dict[str, Any]) -> MoESpec:
-        return MoESpec(
-            num_experts=num_experts(c),
-            top_k=c["num_experts_per_tok"],
-            hidden_size=c["hidden_size"],
-            intermediate_size=c["moe_intermediate_size"],
-            scoring=SOFTMAX_TOPK,
-            renormalize=bool(c.get("norm_topk_prob", False)),
-        )
+        return softmax_topk_spec(c, c["moe_intermediate_size"], renormalize=bool(c.get("norm_topk_prob", False)))
 
     @staticmethod
     def expert_layers(c: dict[str, Any]) -> tuple[bool, ...]:
         dense = set(c.get("mlp_only_layers") or ())
         step = c.get("decoder_sparse_step", 1) or 1
         return tuple(i not in dense and (i + 1) % step == 0 for i in range(c["num_hidden_layers"]))
+
+
+def softmax_topk_spec(c: dict[str, Any], width: int, renormalize: bool) -> MoESpec:
+    """The experts of a family that routes by softmax, then top k (Qwen3-MoE, Mixtral)."""
+    return MoESpec(
+        num_experts=num_experts(c),
+        top_k=c["num_experts_per_tok"],
+        hidden_size=c["hidden_size"],
+        intermediate_size=width,
+        scoring=SOFTMAX_TOPK,
+        renormalize=renormalize,
+    )
 
 
 def num_experts(c: dict[str, Any]) -> int:
