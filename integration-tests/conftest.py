@@ -141,6 +141,7 @@ def start_launcher(*args: str, env: dict | None = None, wait_ready: bool = True,
 
 def _launch(args, env: dict | None, tmp: Path, private_sockets: bool) -> Launcher:
     port = free_port()
+    tmp.mkdir(parents=True, exist_ok=True)  # the shard's socket goes in it
     uds = "" if private_sockets else str(tmp / "shard")
     # Each server its own Batch API folder: one folder serves one server.
     data_dir = [] if "--data-dir" in args else ["--data-dir", str(tmp / "data")]

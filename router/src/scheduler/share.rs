@@ -42,8 +42,11 @@ impl Scheduler {
             return BatchFloor { slots: 0, tokens: 0 };
         }
         // At least one of each, but never all: interactive requests must
-        // always be able to run.
-        let of = |total: u32| ((f64::from(total) * share).ceil() as usize).clamp(1, total.max(2) as usize - 1);
+        // always be able to run (so one slot in all holds no floor).
+        let of = |total: u32| match total {
+            0 | 1 => 0,
+            _ => ((f64::from(total) * share).ceil() as usize).clamp(1, total as usize - 1),
+        };
         BatchFloor {
             slots: of(self.config.max_batch_size).min(pending),
             tokens: of(self.config.max_batch_prefill_tokens),
