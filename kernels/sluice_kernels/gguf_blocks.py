@@ -191,6 +191,10 @@ class QuantizedWeight:
     def handles(self, x: torch.Tensor) -> bool:
         return x.dim() == 2 and x.shape[0] <= self.max_rows and x.dtype == torch.float32 and x.device.type == "cpu"
 
+    def tensors(self) -> list[torch.Tensor]:
+        """What this holds in memory (for the shard's weight count)."""
+        return [self.data]
+
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         linear = torch.ops.sluice_cpu.q8_linear if self.int8 else torch.ops.sluice_cpu.exact_linear
         return linear(x, self.data, self.format, self.out_features)

@@ -160,6 +160,10 @@ class QuantizedExperts:
     def handles(self, x: torch.Tensor) -> bool:
         return x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu"
 
+    def tensors(self) -> list[torch.Tensor]:
+        """What this holds in memory (for the shard's weight count)."""
+        return [self.w13, self.w2]
+
     def mlp(self, x, ids, weights, b13, b2, act: Activation) -> torch.Tensor:
         """expert_mlp_reference's result, on the records (csrc/cpu_moe.cpp)."""
         return torch.ops.sluice_cpu.moe_block_mlp(

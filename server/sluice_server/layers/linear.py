@@ -119,7 +119,7 @@ def weight_bytes(model: nn.Module) -> int:
         held += [t for t in (getattr(module, "packed", None),) if isinstance(t, torch.Tensor)]
         quantized = getattr(module, "quantized", None)
         if quantized is not None:
-            held.append(quantized.data)
+            held += quantized.tensors()
         for tensor in held:
             if id(tensor) not in seen:
                 seen.add(id(tensor))
