@@ -233,6 +233,7 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
         .reasoning_parser
         .or_else(|| files.chat_template.as_ref().and_then(|t| ReasoningParserKind::from_template(t.source())));
     tracing::info!(reasoning_parser = reasoning_parser.map_or("none", ReasoningParserKind::name), "reasoning");
+    let reasoning = reasoning_parser.map(|kind| ReasoningFormat::for_tokenizer(kind, &files.tokenizer));
     let state = Arc::new(AppState {
         infer: infer.clone(),
         validation: Validation {
@@ -252,7 +253,7 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
             model_names: vec![config.served_model_name().to_string(), config.model_id.clone()],
             grammar,
             tool_format,
-            reasoning: reasoning_parser.map(ReasoningFormat::new),
+            reasoning,
         },
         info: Info {
             model_id: config.model_id.clone(),

@@ -25,6 +25,7 @@
 pub mod stream;
 
 use crate::grammar::{lark_literal, Constraint};
+use crate::tokenizer::Tokenizer;
 
 /// The model families' ways of thinking (`--reasoning-parser`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -80,12 +81,28 @@ pub struct ReasoningFormat {
     pub kind: ReasoningParserKind,
     pub(crate) open: &'static str,
     pub(crate) close: &'static str,
+    /// The tags are added tokens of the tokenizer (Qwen3's and DeepSeek's
+    /// are): the grammar names them as tokens, not as text (see
+    /// [`ReasoningFormat::for_tokenizer`]).
+    tags_are_tokens: bool,
 }
 
 impl ReasoningFormat {
     pub fn new(kind: ReasoningParserKind) -> Self {
         // Both families use the same tags; they differ in who opens them.
-        Self { kind, open: OPEN, close: CLOSE }
+        Self { kind, open: OPEN, close: CLOSE, tags_are_tokens: false }
+    }
+
+    /// The format for a model whose tokenizer is `tokenizer`. A tag that is
+    /// an added token is one token the model emits whole, and the grammar
+    /// engine (llguidance) holds every added `<...>` token as a special
+    /// token that no text matches: a constraint must name it as a token.
+    pub fn for_tokenizer(kind: ReasoningParserKind, tokenizer: &Tokenizer) -> Self {
+        let added = tokenizer.hf().get_added_tokens_decoder();
+        let is_added = |tag: &str| added.values().any(|t| t.content == tag);
+        let mut format = Self::new(kind);
+        format.tags_are_tokens = is_added(format.open) && is_added(format.close);
+        format
     }
 
     /// Where the output of `prompt` (as the chat template rendered it)
@@ -111,17 +128,26 @@ impl ReasoningFormat {
     ///   Inside    start: think GAP? @answer        think[lazy]: "<think>"? TEXT "</think>"
     ///   Closed    the answer's grammar alone
     /// ```
+    /// With tags that are added tokens, `<think>` and `</think>` unquoted
+    /// (the tokens, not their text) in `think: <think> TEXT? </think>`.
     /// GAP is the whitespace models write after the block; `@answer` is the
     /// answer's own grammar (its lexer apart from the block's).
     pub fn after_thinking(&self, answer: Constraint, start: ThinkStart) -> Constraint {
-        let (think, optional) = match start {
+        let (open, optional) = match start {
             ThinkStart::Closed => return answer,
-            ThinkStart::MayOpen => (format!("{} TEXT {}", lark_literal(self.open), lark_literal(self.close)), "?"),
-            ThinkStart::Inside => (format!("{}? TEXT {}", lark_literal(self.open), lark_literal(self.close)), ""),
+            ThinkStart::MayOpen => ("", "?"),
+            ThinkStart::Inside => ("?", ""),
         };
-        let main = format!(
-            "start: (think GAP?){optional} @answer\nthink[lazy]: {think}\nTEXT: /(?s:.*)/\nGAP: /[ \\t\\r\\n]+/\n"
-        );
+        let think = if self.tags_are_tokens {
+            // Tokens: no text matches them, so a greedy TEXT stops right
+            // where the closing token comes (a lazy rule would be a
+            // terminal, which cannot hold tokens).
+            format!("think: {}{open} TEXT? {}\nTEXT: /(?s:.+)/", self.open, self.close)
+        } else {
+            let (o, c) = (lark_literal(self.open), lark_literal(self.close));
+            format!("think[lazy]: {o}{open} TEXT {c}\nTEXT: /(?s:.*)/")
+        };
+        let main = format!("start: (think GAP?){optional} @answer\n{think}\nGAP: /[ \\t\\r\\n]+/\n");
         Constraint::AfterThinking { main, answer: Box::new(answer) }
     }
 }

@@ -133,10 +133,44 @@ fn byte_tokens(text: &str) -> Vec<u32> {
 
 /// Whether `text` is a complete output under `constraint`.
 fn accepts(constraint: &Constraint, text: &str) -> bool {
-    let compiler = GrammarCompiler::new(&byte_fallback_tokenizer(), 267, &[2]).unwrap();
+    accepts_tokens(&byte_fallback_tokenizer(), constraint, &byte_tokens(text))
+}
+
+/// Whether `tokens` are a complete output under `constraint`.
+fn accepts_tokens(tokenizer: &Tokenizer, constraint: &Constraint, tokens: &[u32]) -> bool {
+    let compiler = GrammarCompiler::new(tokenizer, tokenizer.vocab_size(), &[2]).unwrap();
     let compiled = compiler.compile(constraint).unwrap_or_else(|e| panic!("{e}"));
     let mut matcher = compiler.matcher(&compiled.0).unwrap();
-    byte_tokens(text).into_iter().all(|t| matcher.consume_token(t).is_ok()) && !matcher.is_error() && matcher.is_accepting().unwrap_or(false)
+    tokens.iter().all(|&t| matcher.consume_token(t).is_ok()) && !matcher.is_error() && matcher.is_accepting().unwrap_or(false)
+}
+
+/// The byte tokenizer with `<think>` and `</think>` added as tokens (not
+/// special ones), as Qwen3's tokenizer has them: ids 267 and 268.
+fn tokenizer_with_tags() -> Tokenizer {
+    let mut inner = crate::detokenize::tests::byte_fallback_inner();
+    inner.add_tokens(&[tokenizers::AddedToken::from(OPEN, false), tokenizers::AddedToken::from(CLOSE, false)]);
+    let tokenizer = Tokenizer::new(inner);
+    assert_eq!((tokenizer.token_to_id(OPEN), tokenizer.token_to_id(CLOSE)), (Some(267), Some(268)));
+    tokenizer
+}
+
+#[test]
+fn tags_that_are_added_tokens_open_and_close_the_block_as_tokens() {
+    let tokenizer = tokenizer_with_tags();
+    let schema = Constraint::JsonSchema(json!({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}));
+    let format = ReasoningFormat::for_tokenizer(ReasoningParserKind::Qwen3, &tokenizer);
+    let may = format.after_thinking(schema.clone(), ThinkStart::MayOpen);
+    let json = byte_tokens("{\"a\": 1}");
+    let thought = [vec![267], byte_tokens("free {text\n"), vec![268], byte_tokens("\n\n"), json.clone()].concat();
+    assert!(accepts_tokens(&tokenizer, &may, &thought));
+    assert!(accepts_tokens(&tokenizer, &may, &json), "thinking is optional");
+    assert!(!accepts_tokens(&tokenizer, &may, &[vec![267], byte_tokens("x"), vec![268], byte_tokens("no")].concat()));
+    let inside = ReasoningFormat::for_tokenizer(ReasoningParserKind::DeepseekR1, &tokenizer).after_thinking(schema.clone(), ThinkStart::Inside);
+    assert!(accepts_tokens(&tokenizer, &inside, &[byte_tokens("no tag"), vec![268], json.clone()].concat()));
+    assert!(!accepts_tokens(&tokenizer, &inside, &json), "the block must close first");
+    // Without the added tokens the tags stay text (the plain byte tokenizer).
+    let plain = ReasoningFormat::for_tokenizer(ReasoningParserKind::Qwen3, &byte_fallback_tokenizer());
+    assert_eq!(plain, qwen3());
 }
 
 #[test]
