@@ -262,9 +262,12 @@ def test_warmup_says_whether_kernels_may_still_compile(model_dir, monkeypatch):
     shard = Shard(ModelRunner(model_dir, block_size=BLOCK), urls=[], kv_cache_bytes=1 << 20)
     warm = shard.warmup(shard_pb2.WarmupRequest(max_batch_prefill_tokens=40, max_batch_size=4, max_total_tokens=32))
     assert warm.compilation_pending is False
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    # The interpreter is asked, not the variable set: kernels imported while
+    # TRITON_INTERPRET=0 would stay compiled-only for the rest of the session.
+    from sluice_server.layers import triton_attention
+    monkeypatch.setattr(triton_attention, "triton_interpreting", lambda: False)
     assert TritonAttention().compiles_lazily
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton_attention, "triton_interpreting", lambda: True)
     assert not TritonAttention().compiles_lazily
 
 
