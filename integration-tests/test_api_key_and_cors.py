@@ -71,18 +71,25 @@ def assert_unauthorized(response: httpx.Response, path: str) -> None:
         {"Authorization": KEY},  # no scheme
         {"Authorization": f"Basic {KEY}"},
         {"Authorization": f"Bearer {KEY}x"},
-        {"X-Api-Key": KEY},
+        {"Api-Key": KEY},  # a header nobody sends it in
+        {"X-Api-Key": "wrong-key"},
+        {"X-Api-Key": f"Bearer {KEY}"},  # Anthropic's header holds the bare key
     ],
-    ids=["missing", "wrong", "key-case", "no-scheme", "basic", "suffix", "other-header"],
+    ids=["missing", "wrong", "key-case", "no-scheme", "basic", "suffix", "other-header", "x-api-key-wrong",
+         "x-api-key-scheme"],
 )
 def test_guarded_routes_refuse_without_the_key(server, method, path, body, headers):
     assert_unauthorized(call(server, method, path, body, headers), path)
 
 
 @pytest.mark.parametrize("method,path,body", GUARDED, ids=[f"{m} {p}" for m, p, _ in GUARDED])
-@pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER"])
-def test_guarded_routes_serve_with_the_key(server, method, path, body, scheme):
-    response = call(server, method, path, body, {"Authorization": f"{scheme} {KEY}"})
+@pytest.mark.parametrize("header", [f"Bearer {KEY}", f"bearer {KEY}", f"BEARER {KEY}", KEY],
+                         ids=["Bearer", "bearer", "BEARER", "x-api-key"])
+def test_guarded_routes_serve_with_the_key(server, method, path, body, header):
+    """Authorization: Bearer KEY (any case of the scheme), or x-api-key: KEY
+    (the header Anthropic's clients send), on every route."""
+    headers = {"X-Api-Key": header} if header == KEY else {"Authorization": header}
+    response = call(server, method, path, body, headers)
     assert response.status_code == 200, (path, response.text)
 
 
