@@ -160,6 +160,7 @@ impl Request {
             // Every admission carries it: a resumed request rebuilds its
             // matcher on the shard from it and the generated tokens.
             grammar: r.grammar.as_ref().map(|g| g.0.to_string()).unwrap_or_default(),
+            adapter_slot: 0,
         }
     }
 }
