@@ -119,6 +119,8 @@ class Shard:
     def load_adapter(self, req: shard_pb2.LoadAdapterRequest) -> shard_pb2.LoadAdapterResponse:
         """Checks the adapter at req.path, and with a slot loads it there."""
         adapters = self.runner.adapters
+        for rid in req.finished_ids:
+            self._drop(rid)
         if req.slot == 0:
             adapter = adapters.read(req.path)
         else:
@@ -131,6 +133,8 @@ class Shard:
         return shard_pb2.LoadAdapterResponse(rank=adapter.rank, target_modules=adapter.target_modules)
 
     def unload_adapter(self, req: shard_pb2.UnloadAdapterRequest) -> shard_pb2.UnloadAdapterResponse:
+        for rid in req.finished_ids:
+            self._drop(rid)
         self._check_slot_free(req.slot)
         if not self.runner.adapters.allocated:
             raise NotWarmedUp("UnloadAdapter before Warmup: the adapter slots are not allocated")

@@ -73,8 +73,10 @@ fn build_with_shard(setup: Setup) -> (Router, Arc<AppState>, FakeShardHandle) {
         panic_at_step: None,
         speculation: None,
         batch_min_share: 0.1,
+        hourly_cost: setup.hourly_cost,
     };
     let info = ShardInfo {
+        max_loras: fake.max_loras,
         model_type: "llama".into(),
         dtype: "float32".into(),
         device_type: "cpu".into(),
@@ -88,9 +90,11 @@ fn build_with_shard(setup: Setup) -> (Router, Arc<AppState>, FakeShardHandle) {
         total_parameters: 1000,
         active_parameters: 400,
     };
+    let max_loras = fake.max_loras;
     let (shard, handle) = FakeShard::new(fake);
     let infer = spawn(shard, config, info);
     let mut validation = crate::validation::tests::validation();
+    validation.adapters = infer.adapters.clone();
     if let Some(limits) = setup.limits {
         validation.limits = limits;
     }
@@ -130,6 +134,7 @@ fn build_with_shard(setup: Setup) -> (Router, Arc<AppState>, FakeShardHandle) {
             speculation: None,
             batch_min_share: 0.1,
             reasoning_parser: None,
+            lora: (max_loras > 0).then_some(super::LoraInfo { max_loras, max_lora_rank: 16, lora_bytes: 1024 }),
         },
         metrics: crate::metrics::install(),
         draining: Arc::new(AtomicBool::new(false)),
@@ -170,6 +175,7 @@ async fn post(app: &Router, path: &str, body: Value) -> (StatusCode, Value) {
 }
 
 mod apis;
+mod lora;
 mod structured;
 mod webui;
 
