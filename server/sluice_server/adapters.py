@@ -6,8 +6,9 @@ this module holds the weights (`AdapterSlots`, owned by the model runner) and
 refuses what cannot serve the model, with a message naming the problem:
 
     AdapterSlots(model, max_loras, max_rank, roots)
-        allocate()             at warmup, before the KV cache is sized: every
-                               adapted layer gets its stacks (layers.lora)
+        allocate(kernel)       at warmup, before the KV cache is sized: every
+                               adapted layer gets its stacks (layers.lora),
+                               applied by `kernel` (the grouped matmul)
         read(path)             read and check a PEFT folder, keep nothing
         load(slot, path)       read, check, and write it into the slot
         unload(slot)           zero the slot
@@ -40,7 +41,7 @@ from safetensors import safe_open
 from torch import nn
 
 from sluice_server.layers.linear import ColumnParallelLinear, RowParallelLinear
-from sluice_server.layers.lora import LoraContext, LoraSegments, LoraWeights
+from sluice_server.layers.lora import KERNELS, LoraContext, LoraSegments, LoraWeights
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -165,15 +166,17 @@ class AdapterSlots:
     def nbytes(self) -> int:
         return sum(m.lora.nbytes for m in self.layers.values() if m.lora is not None)
 
-    def allocate(self) -> int:
-        """Stacks for every adapted layer (zeros: every slot empty); returns
-        their bytes. Again after a second warmup: the slots start empty."""
+    def allocate(self, kernel: str = "torch") -> int:
+        """Stacks for every adapted layer (zeros: every slot empty), applied
+        by `kernel` (layers.lora.KERNELS); returns their bytes. Again after a
+        second warmup: the slots start empty."""
         if not self.enabled:
             return 0
+        if kernel not in KERNELS:
+            raise ValueError(f"LoRA kernel {kernel!r} is not one of {', '.join(KERNELS)}")
         param = next(self.model.parameters())
         dtype, device = param.dtype, param.device
-        self.context = LoraContext(scales=torch.zeros(self.max_loras, dtype=torch.float32, device=device),
-                                   ranks=[0] * self.max_loras)
+        self.context = LoraContext(scales=torch.zeros(self.max_loras, dtype=torch.float32, device=device), kernel=kernel)
         self.loaded = [None] * self.max_loras
         for module in self.layers.values():
             module.lora = None  # the old stacks go before the new ones are made
@@ -186,7 +189,7 @@ class AdapterSlots:
             module.lora = LoraWeights(
                 a=torch.zeros(self.max_loras, len(pieces), self.max_rank, in_features, dtype=dtype, device=device),
                 b=torch.zeros(self.max_loras, out, self.max_rank, dtype=dtype, device=device),
-                pieces=pieces,
+                bounds=[start for start, _ in pieces] + [out],
                 context=self.context,
             )
         return self.nbytes
@@ -281,7 +284,6 @@ class AdapterSlots:
         for (layer_path, piece), (a, b) in adapter.weights.items():
             _write(self.layers[layer_path], index, piece, a, b)
         self.context.scales[index] = adapter.scale
-        self.context.ranks[index] = adapter.rank
         self.loaded[index] = Path(path)
         return adapter
 
@@ -290,7 +292,6 @@ class AdapterSlots:
         for module in self.layers.values():
             module.lora.zero_slot_(index)
         self.context.scales[index] = 0.0
-        self.context.ranks[index] = 0
         self.loaded[index] = None
 
     def held_slots(self) -> frozenset[int]:
@@ -299,18 +300,24 @@ class AdapterSlots:
 
     @contextlib.contextmanager
     def at_full_rank(self):
-        """Every slot counts as holding a rank-max_rank adapter while inside
-        (its weights stay zero): warmup's dummy step then makes the largest
-        LoRA temporaries a step can make, and the memory measured holds them."""
-        if self.context is None:
+        """Every (empty) slot counts as holding a rank-max_rank adapter of
+        every module while inside (its weights stay zero): warmup's dummy step
+        then makes the largest LoRA temporaries a step can make, and the
+        memory measured holds them."""
+        if self.context is None or any(folder is not None for folder in self.loaded):
             yield
             return
-        ranks = self.context.ranks
-        self.context.ranks = [self.max_rank] * self.max_loras
+        loras = [m.lora for m in self.layers.values()]
         try:
+            for lora in loras:
+                for index in range(self.max_loras):
+                    for piece in range(lora.a.shape[1]):
+                        lora.set_rank(index, piece, self.max_rank)
             yield
         finally:
-            self.context.ranks = ranks
+            for lora in loras:
+                for index in range(self.max_loras):
+                    lora.zero_slot_(index)
 
     @contextlib.contextmanager
     def applied(self, segments: LoraSegments | None):
@@ -342,6 +349,7 @@ def _write(module: ColumnParallelLinear | RowParallelLinear, index: int, piece: 
         b = b[start:end]
     else:
         a = a[:, module.start : module.end]
-    lo, hi = lora.pieces[piece]
+    lo, hi = lora.bounds[piece], lora.bounds[piece + 1]
     lora.a[index, piece, :r].copy_(a)
     lora.b[index, lo:hi, :r].copy_(b)
+    lora.set_rank(index, piece, r)

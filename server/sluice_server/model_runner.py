@@ -1,8 +1,9 @@
 """Runs a step: the batch, the forward pass, prompt logprobs and sampling.
 
-Owns the weights, the LoRA adapter slots (adapters.py), the KV cache and warmup. `run_step` is the whole step on
-the model's side; what it returns (`StepOutput`) is plain data that the
-shard (servicer.py) commits to its request table and maps to the reply.
+Owns the weights, the LoRA adapter slots (adapters.py), the KV cache and
+warmup. `run_step` is the whole step on the model's side; what it returns
+(`StepOutput`) is plain data that the shard (servicer.py) commits to its
+request table and maps to the reply.
 """
 
 from __future__ import annotations
@@ -314,6 +315,16 @@ class ModelRunner:
             return torch.empty(0, self.vocab_size)
         return self.model.compute_logits(hidden[batch.logits_indices]).cpu()
 
+    def lora_kernel(self) -> str:
+        """Which grouped matmul applies LoRA adapters (layers.lora): Triton's
+        with the triton backend, the C++ one on CPU in float32 where the CPU
+        kernels are loaded, else plain torch."""
+        if self.backend.name == "triton":
+            return "triton"
+        if self.device.type == "cpu" and self.dtype == torch.float32 and getattr(self.backend, "cpu_kernels", False):
+            return "cpu"
+        return "torch"
+
     def decoder_takes(self, batch: Batch) -> bool:
         """Whether the C++ decoder runs this step: at most its row limit, and
         every work item computes one token of its own (a decode, perhaps
@@ -477,7 +488,7 @@ class ModelRunner:
         if min(max_batch_prefill_tokens, max_batch_size, max_total_tokens) == 0:
             raise ValueError("warmup limits must all be > 0")
         self.kv_cache = None
-        lora_bytes = self.adapters.allocate()
+        lora_bytes = self.adapters.allocate(self.lora_kernel())
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -509,8 +520,8 @@ class ModelRunner:
         )
         if self.adapters.enabled:
             log.info(
-                "LoRA: %d adapter slots of rank <= %d (%.1f MiB)",
-                self.adapters.max_loras, self.adapters.max_rank, lora_bytes / 2**20,
+                "LoRA: %d adapter slots of rank <= %d (%.1f MiB), applied by the %s grouped matmul",
+                self.adapters.max_loras, self.adapters.max_rank, lora_bytes / 2**20, self.lora_kernel(),
             )
         return WarmupResult(
             num_blocks=num_blocks, kv_cache_bytes=cache.nbytes, compilation_pending=self.backend.compiles_lazily,

@@ -12,7 +12,7 @@ import torch
 
 from sluice_server.adapters import AdapterError, AdapterSlots
 from sluice_server.batch import ShardLimits, check_step
-from sluice_server.layers.lora import LoraContext, build_segments, lora_apply_reference
+from sluice_server.layers.lora import build_segments
 from sluice_server.model_runner import ModelRunner
 from sluice_server.pb import shard_pb2
 from sluice_server.testing import make_lora_adapter
@@ -47,10 +47,14 @@ def root(tmp_path_factory, base):
     return folder
 
 
-@pytest.fixture(scope="module")
-def runner(base, root):
+@pytest.fixture(scope="module", params=["torch", "cpu"])
+def runner(request, base, root):
+    """The grouped matmul in plain torch, and the C++ kernel (which the CPU
+    path of the shard uses)."""
     runner = ModelRunner(base, dtype="float32", block_size=4, max_loras=3, max_lora_rank=8, lora_roots=[root])
-    runner.adapters.allocate()
+    if request.param == "cpu" and runner.lora_kernel() != "cpu":
+        pytest.skip("the CPU kernels are not loaded")
+    runner.adapters.allocate(request.param)
     runner.adapters.load(1, str(root / "attn"))
     runner.adapters.load(3, str(root / "all"))
     return runner
@@ -73,31 +77,6 @@ def test_segments_group_rows_by_slot():
     assert list(zip(segments.starts, segments.ends, segments.slots)) == [(1, 3, 1), (3, 4, 0), (8, 14, 1)]
     assert segments.slots_t.tolist() == [1, 0, 1] and segments.rows == 9
     assert build_segments([1, 5], [0, 0], torch.device("cpu")) is None
-
-
-def test_reference_is_each_rows_own_update():
-    """The segment computation against a dense per-row one, on a fused layer
-    of pieces of unequal size, ranks below the stacks' R, an empty slot."""
-    g = torch.Generator().manual_seed(0)
-    slots, R, d_in, pieces = 3, 6, 10, [(0, 7), (7, 11), (11, 16)]
-    a = torch.randn(slots, len(pieces), R, d_in, generator=g)
-    b = torch.randn(slots, 16, R, generator=g)
-    ranks, scales = [4, 0, 6], torch.tensor([0.5, 0.0, 2.0])
-    for s, r in enumerate(ranks):  # what loading leaves past an adapter's rank
-        a[s, :, r:] = 0
-        b[s, :, r:] = 0
-    x = torch.randn(9, d_in, generator=g)
-    rows_slot = [0, 2, 2, -1, 0, 0, -1, 2, 2]
-    y = torch.randn(9, 16, generator=g)
-    want = y.clone()
-    for t, s in enumerate(rows_slot):
-        if s < 0:
-            continue
-        for p, (lo, hi) in enumerate(pieces):
-            want[t, lo:hi] += scales[s] * (b[s, lo:hi] @ (a[s, p] @ x[t]))
-    segments = build_segments([1] * 9, [s + 1 for s in rows_slot], torch.device("cpu"))
-    lora_apply_reference(y, x, a, b, pieces, segments, LoraContext(scales=scales, ranks=ranks))
-    torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
 
 
 def test_mixed_step_matches_peft(base, root, runner):

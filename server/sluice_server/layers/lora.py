@@ -1,19 +1,15 @@
 """LoRA in the linear layers: each row of a step gets the low-rank update of
-the adapter its request uses, all adapters of the step in one grouped matmul.
+the adapter its request uses, all adapters of the step in one grouped matmul
+per layer (sluice_kernels.lora: the layout, the math, the kernels).
 
 An adapted layer holds every slot's adapter, stacked (zeros where a slot is
-empty, or where its adapter leaves this module alone):
+empty, rank 0 where its adapter leaves a piece of the layer alone):
 
-    a  [slots, pieces, R, in]   float, R = --max-lora-rank; pieces: the
-                                matrices fused in the layer (q, k, v of
-                                qkv_proj; gate, up of gate_up_proj; else 1)
-    b  [slots, out, R]          the output rows of piece p read piece p's
-                                part of the shrunk row
-
-and a row t whose request uses slot s (rank r, scale from adapter_config.json) gets
-
-    h      = A[s, :, :r] x[t]                       shrink:  [pieces * r]
-    y[t]  += scale[s] * B[s, rows of p, :r] h[p]    expand:  each piece p into its rows
+    a      [slots, pieces, R, in]   R = --max-lora-rank; pieces: the matrices
+                                    fused in the layer (q, k, v of qkv_proj;
+                                    gate, up of gate_up_proj; else 1)
+    b      [slots, out, R]          piece p's output rows read piece p's h
+    ranks  [slots, pieces]
 
 The step's rows are grouped by slot (batch.build_batch sorts decodes and
 prefill chunks by slot), so each adapter is one segment of consecutive rows
@@ -25,9 +21,10 @@ prefill chunks by slot), so each adapter is one segment of consecutive rows
 
 `LoraSegments` is that table, built once per step and shared by every layer
 through the slots' `LoraContext`; a step without adapter rows has none, and
-the layers then skip LoRA entirely. `lora_apply_reference` is the plain-torch
-computation (a loop over segments), the reference the kernels are tested
-against.
+the layers then skip LoRA entirely. Which implementation runs is chosen once,
+with the stacks: the Triton kernel on CUDA (and under Triton's interpreter
+with the triton backend), the C++ kernel on CPU in float32 when the CPU
+kernels are loaded, else the plain-torch reference.
 """
 
 from __future__ import annotations
@@ -36,6 +33,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sluice_kernels.lora import lora_apply_cpu, lora_apply_reference
+
+KERNELS = ("torch", "cpu", "triton")
+
 
 @dataclass
 class LoraSegments:
@@ -43,7 +44,7 @@ class LoraSegments:
 
     Segment i is rows [starts[i], ends[i]) on stack index slots[i] (the
     proto's adapter slot - 1). The int32 tensors hold the same numbers on the
-    model's device, for kernels."""
+    model's device, for the kernels."""
 
     starts: list[int]
     ends: list[int]
@@ -56,6 +57,11 @@ class LoraSegments:
     def rows(self) -> int:
         """Rows that get an adapter's update."""
         return sum(e - s for s, e in zip(self.starts, self.ends))
+
+    @property
+    def max_rows(self) -> int:
+        """The longest segment."""
+        return max(e - s for s, e in zip(self.starts, self.ends))
 
 
 def build_segments(query_lens: list[int], slots: list[int], device: torch.device) -> LoraSegments | None:
@@ -87,59 +93,65 @@ def build_segments(query_lens: list[int], slots: list[int], device: torch.device
 
 @dataclass
 class LoraContext:
-    """What every adapted layer shares: each slot's scale and rank, and the
-    segments of the step being run (None outside a step with adapter rows)."""
+    """What every adapted layer shares: each slot's scale, the implementation,
+    and the segments of the step being run (None outside a step with adapter
+    rows)."""
 
     # [slots] float32: lora_alpha / r (or / sqrt(r) with rslora); 0 when empty.
     scales: torch.Tensor
-    # Per slot: the adapter's rank (0 when empty).
-    ranks: list[int]
+    # One of KERNELS.
+    kernel: str = "torch"
     segments: LoraSegments | None = None
 
 
 @dataclass
 class LoraWeights:
-    """One linear layer's stacked adapters (see the module comment).
-
-    `pieces` gives each fused piece's [start, end) output rows on this rank."""
+    """One linear layer's stacked adapters (see the module comment)."""
 
     a: torch.Tensor
     b: torch.Tensor
-    pieces: list[tuple[int, int]]
+    # [pieces + 1] output-row boundaries of the fused pieces on this rank.
+    bounds: list[int]
     context: LoraContext = field(repr=False)
+    # [slots, pieces] int32, and the same as lists (host side).
+    ranks: torch.Tensor = field(init=False)
+    rank_lists: list[list[int]] = field(init=False)
+    bounds_t: torch.Tensor = field(init=False)
+
+    def __post_init__(self):
+        slots, pieces = self.a.shape[:2]
+        self.ranks = torch.zeros(slots, pieces, dtype=torch.int32, device=self.a.device)
+        self.rank_lists = [[0] * pieces for _ in range(slots)]
+        self.bounds_t = torch.tensor(self.bounds, dtype=torch.int32, device=self.a.device)
 
     @property
     def nbytes(self) -> int:
         return self.a.nbytes + self.b.nbytes
 
+    def set_rank(self, stack_index: int, piece: int, rank: int) -> None:
+        self.ranks[stack_index, piece] = rank
+        self.rank_lists[stack_index][piece] = rank
+
     def zero_slot_(self, stack_index: int) -> None:
         self.a[stack_index].zero_()
         self.b[stack_index].zero_()
+        for piece in range(self.a.shape[1]):
+            self.set_rank(stack_index, piece, 0)
 
     def apply_(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """Adds the step's adapter updates to y [T, out] (in place) for x [T, in]."""
-        segments = self.context.segments
-        if segments is not None:
-            lora_apply_reference(y, x, self.a, self.b, self.pieces, segments, self.context)
+        seg = self.context.segments
+        if seg is None:
+            return
+        kernel = self.context.kernel
+        if kernel == "cpu":
+            lora_apply_cpu(y, x, self.a, self.b, self.bounds_t, seg.starts_t, seg.ends_t, seg.slots_t,
+                           self.ranks, self.context.scales)
+        elif kernel == "triton":
+            from sluice_kernels.triton.lora import lora_apply_triton
 
-
-def lora_apply_reference(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    pieces: list[tuple[int, int]],
-    segments: LoraSegments,
-    context: LoraContext,
-) -> None:
-    """y[rows of segment] += scale * expand(shrink(x)), segment by segment,
-    with PEFT's order of operations: (x A^T) B^T, then the scale."""
-    for start, end, s in zip(segments.starts, segments.ends, segments.slots):
-        r = context.ranks[s]
-        if r == 0:
-            continue
-        rows = x[start:end].to(a.dtype)
-        h = rows @ a[s, :, :r].reshape(-1, a.shape[-1]).T  # [n, pieces * r]
-        for p, (lo, hi) in enumerate(pieces):
-            update = h[:, p * r : (p + 1) * r] @ b[s, lo:hi, :r].T
-            y[start:end, lo:hi] += (update * context.scales[s]).to(y.dtype)
+            lora_apply_triton(y, x, self.a, self.b, self.bounds_t, seg.starts_t, seg.ends_t, seg.slots_t,
+                              self.ranks, self.context.scales, seg.max_rows)
+        else:
+            lora_apply_reference(y, x, self.a, self.b, self.bounds, seg.starts, seg.ends, seg.slots,
+                                 self.rank_lists, self.context.scales)
