@@ -329,8 +329,9 @@ class ModelRunner:
         """Whether the C++ decoder runs this step: at most its row limit, and
         every work item computes one token of its own (a decode, perhaps
         followed by draft tokens to verify); prefill chunks and mixed steps
-        run the model's forward, as do steps with LoRA adapter rows."""
-        if self.cpu_decoder is None or batch.lora is not None:
+        run the model's forward, as do steps with LoRA adapter rows while the
+        decoder has no LoRA stacks."""
+        if self.cpu_decoder is None or (batch.lora is not None and self.cpu_decoder.lora_scales is None):
             return False
         tokens = batch.input_ids.numel()
         if not 0 < tokens <= self.cpu_decoder.max_rows:
@@ -354,7 +355,7 @@ class ModelRunner:
             )
             block_tables, seq_lens = block_tables[rows], batch.positions + 1
         return self.cpu_decoder.forward(
-            batch.input_ids, batch.positions, meta.slot_mapping, block_tables, seq_lens, cache.layers
+            batch.input_ids, batch.positions, meta.slot_mapping, block_tables, seq_lens, cache.layers, batch.lora
         )
 
     def build_batch(self, work: list[Work]) -> Batch:
@@ -489,6 +490,8 @@ class ModelRunner:
             raise ValueError("warmup limits must all be > 0")
         self.kv_cache = None
         lora_bytes = self.adapters.allocate(self.lora_kernel())
+        if self.cpu_decoder is not None and self.adapters.enabled:
+            self.cpu_decoder.attach_lora()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
