@@ -92,6 +92,10 @@ fn describe() {
     describe_gauge!("sluice_lora_slots_loaded", "Adapter slots holding an adapter");
     describe_gauge!("sluice_lora_slots_active", "Adapter slots in use by running requests (never reloaded while so)");
     describe_gauge!("sluice_lora_adapters", "LoRA adapters requests may name");
+    describe_gauge!(
+        "sluice_lora_adapters_held",
+        "LoRA adapters the router keeps: those requests may name, and unloaded ones requests still use"
+    );
     describe_counter!("sluice_lora_loads_total", "Adapters loaded into a slot (at a load command or on demand)");
     describe_counter!("sluice_lora_evictions_total", "Adapters taken out of a slot to make room for another");
     describe_counter!(
@@ -177,6 +181,7 @@ pub fn adapter_occupancy(stats: &crate::scheduler::AdapterStats, active: usize) 
     gauge!("sluice_lora_slots_loaded").set(f64::from(stats.loaded));
     gauge!("sluice_lora_slots_active").set(active as f64);
     gauge!("sluice_lora_adapters").set(stats.registered as f64);
+    gauge!("sluice_lora_adapters_held").set(stats.held as f64);
 }
 
 pub fn adapter_loaded() {
