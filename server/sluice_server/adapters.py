@@ -132,6 +132,14 @@ def check_config(config: dict, where: Path, max_rank: int) -> tuple[int, float]:
     for _, present, message in unsupported:
         if present:
             fail(message)
+    # Named targets are checked here, before the weights: peft saves an
+    # adapted lm_head or embedding with extra tensors that say less.
+    targets = config.get("target_modules")
+    if isinstance(targets, list):
+        others = [t for t in targets if str(t).rsplit(".", 1)[-1] not in SUPPORTED_MODULES]
+        if others:
+            fail(f"the adapter targets {', '.join(map(repr, others))}; only the decoder layers' "
+                 f"{', '.join(SUPPORTED_MODULES)} can be adapted")
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     return rank, float(scale)
 
