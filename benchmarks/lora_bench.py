@@ -120,9 +120,12 @@ async def run(args, url: str, models: list[str], texts: list[str], concurrency: 
                 failed.append(f"{resp.status_code} {resp.text[:200]}")
 
     async with httpx.AsyncClient(base_url=url, timeout=args.timeout) as client:
-        # One short request per model first: no run pays for a first use.
-        for m in models:
-            (await client.post("/v1/completions", json={"model": m, "prompt": texts[0], "max_tokens": 2})).raise_for_status()
+        # A short batch of the same shape first: no run pays for a first use.
+        warm = [client.post("/v1/completions", json={"model": models[i % len(models)], "prompt": texts[i % len(texts)],
+                                                     "max_tokens": 8, "ignore_eos": True})
+                for i in range(max(concurrency, len(models)))]
+        for resp in await asyncio.gather(*warm):
+            resp.raise_for_status()
         start = time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
         seconds = time.perf_counter() - start
