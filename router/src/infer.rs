@@ -309,6 +309,21 @@ pub struct ShardInfo {
     pub active_parameters: u64,
 }
 
+/// The LoRA adapter registry's counts (scheduler/adapters.rs), for /metrics
+/// and the tests.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AdapterStats {
+    pub slots: u32,
+    /// Slots holding an adapter.
+    pub loaded: u32,
+    /// Adapters requests may name.
+    pub registered: usize,
+    /// Adapters the registry holds (registered, or unloaded but in use).
+    pub held: usize,
+    pub loads: u64,
+    pub evictions: u64,
+}
+
 /// Snapshot of the scheduler for /metrics, readiness and tests.
 #[derive(Debug, Clone, Default)]
 pub struct SchedulerStats {
@@ -335,7 +350,7 @@ pub struct SchedulerStats {
     /// Token counts of recent traffic (`--cost-window-secs`).
     pub window: WindowTotals,
     /// LoRA adapters and slots.
-    pub adapters: crate::scheduler::AdapterStats,
+    pub adapters: AdapterStats,
 }
 
 /// Tokens seen in some interval.

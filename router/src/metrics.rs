@@ -176,7 +176,7 @@ pub fn adapter_usage(adapter: &str, prompt: usize, generated: u32) {
 // -- scheduler --------------------------------------------------------------
 
 /// The adapter slots after a change; `active`: slots running requests use.
-pub fn adapter_occupancy(stats: &crate::scheduler::AdapterStats, active: usize) {
+pub fn adapter_occupancy(stats: &crate::infer::AdapterStats, active: usize) {
     gauge!("sluice_lora_slots_capacity").set(f64::from(stats.slots));
     gauge!("sluice_lora_slots_loaded").set(f64::from(stats.loaded));
     gauge!("sluice_lora_slots_active").set(active as f64);

@@ -19,22 +19,12 @@
 
 use std::collections::HashSet;
 
-use tokio::sync::oneshot;
-
 use super::adapters::AdapterId;
 use super::queue::admission_order;
 use super::Scheduler;
 use crate::client::{ClientError, Shard};
 use crate::infer::{AdapterError, AdapterLoaded, InferError, RequestClass, SchedulerFailure};
 use crate::pb::{LoadAdapterRequest, LoadAdapterResponse, UnloadAdapterRequest};
-
-/// A load command waiting for the point between two steps.
-#[derive(Debug)]
-pub(crate) struct PendingLoad {
-    pub name: String,
-    pub path: String,
-    pub reply: oneshot::Sender<Result<AdapterLoaded, AdapterError>>,
-}
 
 impl Scheduler {
     /// Steps 1-3 of the module comment. Fails only when the shards do not

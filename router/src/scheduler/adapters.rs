@@ -32,10 +32,10 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
-use tokio::sync::watch;
+use tokio::sync::{oneshot, watch};
 
 use super::radix::Namespace;
-use crate::infer::{AdapterCatalog, AdapterError, AdapterInfo};
+use crate::infer::{AdapterCatalog, AdapterError, AdapterInfo, AdapterLoaded, AdapterStats};
 
 /// An adapter's identity for the life of the router; never 0 (the prefix
 /// cache's namespace of the base model).
@@ -58,18 +58,13 @@ struct Slot {
     last_used: u64,
 }
 
-/// Counts for /metrics and the tests.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct AdapterStats {
-    pub slots: u32,
-    /// Slots holding an adapter.
-    pub loaded: u32,
-    /// Adapters requests may name.
-    pub registered: usize,
-    /// Adapters the registry holds (registered, or unloaded but in use).
-    pub held: usize,
-    pub loads: u64,
-    pub evictions: u64,
+/// A load command waiting for the point between two steps (adapter_work.rs
+/// runs it).
+#[derive(Debug)]
+pub(crate) struct PendingLoad {
+    pub name: String,
+    pub path: String,
+    pub reply: oneshot::Sender<Result<AdapterLoaded, AdapterError>>,
 }
 
 pub(crate) struct Adapters {

@@ -72,11 +72,9 @@ use tokio::sync::{mpsc, oneshot, watch};
 use crate::client::Shard;
 use crate::infer::{Command, Entry, Infer, InferError, RequestClass, SchedulerFailure, SchedulerStats, ShardInfo};
 
-pub use adapters::AdapterStats;
 pub use speculation::SpeculationConfig;
 
-use adapter_work::PendingLoad;
-use adapters::Adapters;
+use adapters::{Adapters, PendingLoad};
 use kv::KvCache;
 use request::Request;
 use window::TokenWindow;
