@@ -1,5 +1,6 @@
 //! LoRA adapters through the handlers: loading and unloading by HTTP, the
-//! `model` (OpenAI) and `adapter_id` (TGI) fields picking one, /v1/models,
+//! `model` (OpenAI chat, completions and responses; Anthropic messages) and
+//! `adapter_id` (TGI) fields picking one, /v1/models,
 //! the errors, and the per-adapter series of /metrics. The fake shard
 //! generates other tokens for every adapter path, so a request served by
 //! the wrong weights shows.
@@ -187,4 +188,38 @@ async fn more_adapters_than_slots_take_turns() {
     for series in ["sluice_lora_spent_dollars{adapter=\"q\"} ", "sluice_lora_slots_capacity ", "sluice_lora_slots_active "] {
         assert!(metrics.lines().any(|l| l.starts_with(series)), "{series} missing:\n{metrics}");
     }
+}
+
+/// The text of a greedy chat completion of "Hello" by `model`.
+async fn chat_text(app: &axum::Router, model: &str) -> String {
+    let body = json!({"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, "temperature": 0});
+    let (status, response) = post(app, "/v1/chat/completions", body).await;
+    assert_eq!(status, StatusCode::OK, "{response}");
+    response["choices"][0]["message"]["content"].as_str().unwrap().to_string()
+}
+
+#[tokio::test]
+async fn responses_and_messages_pick_the_adapter_by_model() {
+    let (app, _) = build(setup(2));
+    assert_eq!(load(&app, "sql", "/adapters/sql").await.0, StatusCode::OK);
+    let (base, adapted) = (chat_text(&app, "tiny").await, chat_text(&app, "sql").await);
+    assert_ne!(base, adapted, "the adapter's tokens differ from the base model's");
+    for (model, want) in [("tiny", &base), ("sql", &adapted)] {
+        // The same conversation through each API: the same rendered prompt,
+        // so the same greedy text, by the same weights.
+        let body = json!({"model": model, "input": "Hello", "max_output_tokens": 4, "temperature": 0});
+        let (status, response) = post(&app, "/v1/responses", body).await;
+        assert_eq!(status, StatusCode::OK, "{response}");
+        let text: String = response["output"][0]["content"][0]["text"].as_str().unwrap().into();
+        assert_eq!((&text, &response["model"]), (want, &json!(model)), "/v1/responses as {model}");
+        let body = json!({"model": model, "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": "Hello"}]});
+        let (status, message) = post(&app, "/v1/messages", body).await;
+        assert_eq!(status, StatusCode::OK, "{message}");
+        assert_eq!(message["content"][0]["text"].as_str(), Some(want.as_str()), "/v1/messages as {model}");
+    }
+    let body = json!({"model": "sqll", "max_tokens": 4, "messages": [{"role": "user", "content": "Hello"}]});
+    let (status, error) = post(&app, "/v1/messages", body).await;
+    assert_eq!((status, &error["error"]["type"]), (StatusCode::NOT_FOUND, &json!("not_found_error")), "{error}");
+    let (status, error) = post(&app, "/v1/responses", json!({"model": "sqll", "input": "Hello"})).await;
+    assert_eq!((status, &error["error"]["code"]), (StatusCode::NOT_FOUND, &json!("model_not_found")), "{error}");
 }
