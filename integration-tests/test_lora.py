@@ -4,8 +4,9 @@ served by a real launcher, against transformers + peft in float32.
 - Over a tiny random Llama and over the bundled SmolLM2 (`--dtype float32`:
   its decode steps run on the C++ decoder, which applies the adapters
   itself): greedy tokens through HTTP equal the oracle's for adapter A,
-  adapter B and the base model with 32 requests of all three in flight at
-  once (and alone, on the tiny model); the OpenAI API picks the adapter by
+  adapter B and the base model with requests of all three in flight at
+  once (32 on the tiny model, and alone there too; 12 on the bundled one,
+  two prompts of 8 tokens, to stay short on CPU); the OpenAI API picks the adapter by
   `model`, TGI's by `adapter_id`. Alone, every prompt goes to the base model
   first, then to each adapter: a prefix cache shared between adapters would
   hand an adapter the base model's keys and values, and its tokens would
@@ -48,13 +49,17 @@ TINY_PROMPTS = [
     "def fibonacci(n):",
     "candle forest bridge music orange cloud river stone garden lamp window quiet harbor",
 ]
+# Two prompts and few tokens: every token of this model costs the oracle a
+# full forward pass on CPU (three models), and the server the same.
 BUNDLED_PROMPTS = [
     "The capital of France is",
-    "Les fleurs du printemps sont",
-    "Here is a list of the planets of the solar system, from the closest to the Sun to the farthest:",
     "def fibonacci(n):",
 ]
+BUNDLED_TOKENS = 8
 CONCURRENT = 32
+# In flight on the bundled model: each (prompt, model) pair twice, so its
+# decode steps still mix the base model and both adapters.
+BUNDLED_CONCURRENT = 12
 
 
 def make_adapters(base: Path, root: Path, b_std: float) -> dict[str, Path]:
@@ -157,9 +162,9 @@ def check_books(books: dict[str, float], registered: int) -> None:
 
 
 def check_against_peft(server, base: Path, folders: dict[str, Path], prompts: list[str], new_tokens: int,
-                       solo: bool = True) -> None:
+                       solo: bool = True, concurrent: int = CONCURRENT) -> None:
     """Greedy tokens of A, B and the base model through HTTP equal
-    transformers + peft's with CONCURRENT requests of all three in flight.
+    transformers + peft's with `concurrent` requests of all three in flight.
     With `solo`, first alone too (each prompt on the base model first), and
     the OpenAI API's `model` gives the same text as TGI's `adapter_id`."""
     url = server.base_url
@@ -176,7 +181,7 @@ def check_against_peft(server, base: Path, folders: dict[str, Path], prompts: li
         wrong = [pair for pair in pairs if tgi_ids(url, *pair, new_tokens) != oracle[pair]]
         assert not wrong, f"alone, {len(wrong)} of {len(pairs)} differ from transformers + peft, e.g. {wrong[0]}"
 
-    mixed = [pairs[i % len(pairs)] for i in range(CONCURRENT)]
+    mixed = [pairs[i % len(pairs)] for i in range(concurrent)]
 
     async def together():
         client = AsyncInferenceClient(base_url=url, timeout=600)
@@ -184,7 +189,7 @@ def check_against_peft(server, base: Path, folders: dict[str, Path], prompts: li
 
     got = asyncio.run(together())
     wrong = [(p, m) for (p, m), g in zip(mixed, got) if g != oracle[(p, m)]]
-    assert not wrong, f"{len(wrong)} of {CONCURRENT} in flight differ from transformers + peft, e.g. {wrong[0]}"
+    assert not wrong, f"{len(wrong)} of {concurrent} in flight differ from transformers + peft, e.g. {wrong[0]}"
 
     if solo:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
@@ -412,7 +417,9 @@ def test_a_bad_adapter_at_start_stops_the_launcher_with_the_reason(tiny_model_di
 @pytest.fixture(scope="module")
 def bundled(model_dir, tmp_path_factory):
     """SmolLM2 in float32 (as the session launcher) with A and B."""
-    folders = make_adapters(model_dir, tmp_path_factory.mktemp("bundled-adapters"), b_std=0.02)
+    # B's deviation as the tiny model's: with few tokens per prompt, the
+    # adapters must change the greedy tokens early.
+    folders = make_adapters(model_dir, tmp_path_factory.mktemp("bundled-adapters"), b_std=0.1)
     server = start_launcher(*SESSION_FLAGS, *adapter_flags(folders), "--max-lora-rank", "8",
                             tmp=tmp_path_factory.mktemp("bundled-lora"))
     yield server, folders
@@ -425,6 +432,7 @@ def test_bundled_model_adapters_equal_peft_alone_and_mixed(bundled, model_dir):
     assert info["model_dtype"] == "float32"
     # Only in flight: one request at a time on this model costs minutes on
     # CPU, and the tiny model's test covers requests alone and the OpenAI API.
-    check_against_peft(server, model_dir, folders, BUNDLED_PROMPTS, 12, solo=False)
+    check_against_peft(server, model_dir, folders, BUNDLED_PROMPTS, BUNDLED_TOKENS, solo=False,
+                       concurrent=BUNDLED_CONCURRENT)
     config = json.loads((folders["bea"] / "adapter_config.json").read_text())
     assert config["use_rslora"] and config["r"] == 8
