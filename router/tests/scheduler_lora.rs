@@ -2,7 +2,8 @@
 //! base model share steps; adapters take turns in too few slots; a slot is
 //! never reloaded under a running request; the prefix cache never hands one
 //! adapter's KV to another; unloading under load fails nothing; an adapter
-//! whose files broke fails only its own requests. The fake shard generates
+//! whose files broke fails only its own requests; batch lines and
+//! priorities share the slots. The fake shard generates
 //! other tokens (and other KV) for every adapter path, and reports a slot
 //! changed under a live request as a violation.
 
@@ -11,7 +12,7 @@ mod scheduler_support;
 use std::time::Duration;
 
 use scheduler_support::*;
-use sluice_router::infer::{AdapterError, Infer, InferError, ValidRequest};
+use sluice_router::infer::{AdapterError, Infer, InferError, RequestClass, ValidRequest};
 use sluice_router::scheduler::SchedulerConfig;
 use sluice_router::testing::fake_shard::{adapter_seed, next_token_from, FakeShardConfig, FakeShardHandle};
 
@@ -214,4 +215,39 @@ async fn loads_name_the_problem() {
     );
     let (off, _, _) = start_lora(0, 0);
     assert_eq!(off.load_adapter("x".into(), path("x")).await, Err(AdapterError::Disabled));
+}
+
+#[tokio::test]
+async fn batch_lines_and_priorities_share_the_slots_with_interactive_requests() {
+    // Three adapters in two slots; batch lines fill the batch, interactive
+    // requests of every priority arrive among them and preempt them: every
+    // request gets its own adapter's tokens, nothing leaks, no slot changes
+    // under a request that uses it.
+    let (infer, handle, fake) = start_lora(2, 1);
+    let names = ["a", "b", "c"];
+    for name in names {
+        infer.load_adapter(name.into(), path(name)).await.unwrap();
+    }
+    let mut tasks = Vec::new();
+    for i in 0..40u32 {
+        let batch = i % 3 != 0;
+        let adapter = (i % 4 != 3).then(|| names[(i % 3) as usize]);
+        let prompt: Vec<u32> = (0..(6 + i % 5)).map(|t| 30 + t + 17 * (i % 4)).collect();
+        let want = expected(&fake, adapter, &prompt, 5);
+        let mut request = adapter_request(prompt, 5, adapter);
+        request.class = if batch { RequestClass::Batch } else { RequestClass::Interactive };
+        request.priority = (i % 3) as i32 - 1;
+        let infer = infer.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut stream = infer.generate(request).await.expect("accepted");
+            let out = read(&mut stream, None).await;
+            assert_eq!((out.error, out.tokens), (None, want), "request {i} (batch: {batch}) on {adapter:?}");
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let stats = assert_no_leak(&infer, &handle).await;
+    assert_eq!((stats.adapters.slots, stats.adapters.registered), (2, 3));
+    assert!(handle.violations().is_empty(), "{:?}", handle.violations());
 }
