@@ -32,6 +32,9 @@ decision (the shard's `--cpu-kernels`); this module reads no setting.
         activation, alpha, limit, int8): a mixture-of-experts layer's expert MLP
         on every expert's blocks, tokens grouped by expert (cpu_moe.cpp, over
         cpu_q8_linear.cpp's grouped_block_linear), see moe.py
+    lora_apply_(y, x, a, b, bounds, seg_starts, seg_ends, seg_slots, ranks, scales):
+        LoRA's grouped matmul, each row's adapter update added to y
+        (cpu_lora.cpp; layout and reference in sluice_kernels.lora)
     torch.classes.sluice_cpu.LlamaDecoder: a decode step through every layer
         in one call (cpu_decoder.cpp), driven by the Llama model's
         `sluice_server.models.llama_cpu_decoder`
@@ -57,11 +60,12 @@ SOURCES = [
     CSRC / "cpu_q8_linear.cpp",
     CSRC / "cpu_decoder.cpp",
     CSRC / "cpu_moe.cpp",
+    CSRC / "cpu_lora.cpp",
 ]
 HEADERS = [CSRC / "sluice_cpu.h"]
 OPS = (
     "paged_decode_attention", "rms_norm", "rotary_", "silu_mul", "argmax_rows",
-    "q8_pack", "q8_linear", "exact_linear", "q8_quantize", "q8_isas", "moe_block_mlp",
+    "q8_pack", "q8_linear", "exact_linear", "q8_quantize", "q8_isas", "moe_block_mlp", "lora_apply_",
 )
 _lock = threading.Lock()
 # "ok": the outcome of the first load(); "reason": why the kernels are off;

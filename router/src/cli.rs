@@ -5,7 +5,8 @@
 //!    folder: fail before touching the shards);
 //! 2. connect to the shard group (ServiceDiscovery), read Info;
 //! 3. resolve the limits and Warmup the shards with them -> `num_blocks`;
-//! 4. spawn the scheduler;
+//! 4. spawn the scheduler, and load the `--lora-adapters` through it (a bad
+//!    adapter ends the router with the reason);
 //! 5. bind HTTP and log "Listening on http://HOST:PORT".
 //!
 //! SIGTERM/SIGINT: mark the router draining (new generation requests and
@@ -30,7 +31,7 @@ use crate::client::ShardGroup;
 use crate::config::RouterConfig;
 use crate::grammar::GrammarCompiler;
 use crate::http::openai::batch_lines::OpenAiLines;
-use crate::http::{self, AppState, HttpOptions, Info, SpeculationInfo};
+use crate::http::{self, AppState, HttpOptions, Info, LoraInfo, SpeculationInfo};
 use crate::infer::{Infer, ShardInfo};
 use crate::scheduler::{self, SchedulerConfig};
 use crate::tokenizer::Tokenizer;
@@ -179,6 +180,7 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
     tracing::info!(num_blocks, block_size = shard_info.block_size, max_batch_total_tokens, "warmup done");
 
     let info = ShardInfo {
+        max_loras: shard_info.max_loras,
         model_type: shard_info.model_type.clone(),
         dtype: shard_info.dtype.clone(),
         device_type: shard_info.device_type.clone(),
@@ -206,6 +208,7 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
         panic_at_step: config.scheduler_panic_at().map_err(|e| e.to_string())?,
         speculation: speculation.clone(),
         batch_min_share: config.serving.batch_min_share,
+        hourly_cost: config.serving.hourly_cost,
     };
     // The recorder first: the scheduler describes its series when it starts.
     let metrics = crate::metrics::install();
@@ -254,6 +257,7 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
             grammar,
             tool_format,
             reasoning,
+            adapters: infer.adapters.clone(),
         },
         info: Info {
             model_id: config.model_id.clone(),
@@ -286,6 +290,11 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
             speculation: speculation.as_ref().map(SpeculationInfo::new),
             batch_min_share: config.serving.batch_min_share,
             reasoning_parser: reasoning_parser.map(|p| p.name().to_string()),
+            lora: (shard_info.max_loras > 0).then_some(LoraInfo {
+                max_loras: shard_info.max_loras,
+                max_lora_rank: shard_info.max_lora_rank,
+                lora_bytes: warmed.lora_bytes,
+            }),
         },
         responses: Arc::new(ResponseStore::new(
             config.serving.responses_store_capacity as usize,
@@ -299,8 +308,31 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
         cpu_work: AppState::cpu_workers(),
         batches: Some(Arc::new(batches)),
     });
+    load_startup_adapters(config, &state).await?;
     spawn_batch_runner(&state, limits.max_batch_size as usize);
     Ok(Started { infer, state })
+}
+
+/// Loads every `--lora-adapters` entry, in order (the first `--max-loras`
+/// into slots, the rest only checked); the first one refused is the
+/// router's error.
+async fn load_startup_adapters(config: &RouterConfig, state: &AppState) -> Result<(), String> {
+    for adapter in &config.serving.lora_adapters {
+        let refused = |reason: String| format!("--lora-adapters {adapter}: {reason}");
+        if state.validation.is_base_name(&adapter.name) {
+            return Err(refused(format!("`{}` names the base model; give the adapter another name", adapter.name)));
+        }
+        let loaded = state
+            .infer
+            .load_adapter(adapter.name.clone(), adapter.path.clone())
+            .await
+            .map_err(|e| refused(e.to_string()))?;
+        tracing::info!(
+            adapter = adapter.name, path = adapter.path, rank = loaded.rank, slot = ?loaded.slot,
+            modules = loaded.target_modules.join(","), "LoRA adapter ready"
+        );
+    }
+    Ok(())
 }
 
 /// The Batch API's runner: as many lines in flight as one step may run,

@@ -14,8 +14,8 @@ use tonic::transport::{Channel, Endpoint, Uri};
 
 use crate::pb::shard_client::ShardClient;
 use crate::pb::{
-    ClearCacheRequest, HealthRequest, InfoRequest, InfoResponse, ServiceDiscoveryRequest, StepRequest,
-    StepResponse, WarmupRequest, WarmupResponse,
+    ClearCacheRequest, HealthRequest, InfoRequest, InfoResponse, LoadAdapterRequest, LoadAdapterResponse,
+    ServiceDiscoveryRequest, StepRequest, StepResponse, UnloadAdapterRequest, WarmupRequest, WarmupResponse,
 };
 
 /// What the shard group's Warmup settled.
@@ -25,6 +25,8 @@ pub struct Warmed {
     pub num_blocks: u32,
     /// The first steps may still compile kernels (`WarmupResponse.compilation_pending`).
     pub compilation_pending: bool,
+    /// Bytes rank 0's adapter slots take (`WarmupResponse.lora_bytes`).
+    pub lora_bytes: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -42,6 +44,16 @@ pub enum ClientError {
 /// and by the test double `testing::fake_shard::FakeShard`.
 pub trait Shard: Send + 'static {
     fn step(&mut self, request: StepRequest) -> impl Future<Output = Result<StepResponse, ClientError>> + Send;
+
+    /// Checks a LoRA adapter and, with a slot (1..=max_loras), loads it
+    /// there; slot 0 keeps nothing (see the proto's LoadAdapter).
+    fn load_adapter(
+        &mut self,
+        request: LoadAdapterRequest,
+    ) -> impl Future<Output = Result<LoadAdapterResponse, ClientError>> + Send;
+
+    /// Empties an adapter slot.
+    fn unload_adapter(&mut self, request: UnloadAdapterRequest) -> impl Future<Output = Result<(), ClientError>> + Send;
 
     /// `step` with the step's trace context (see telemetry.rs); shards that
     /// do not trace ignore it.
@@ -139,7 +151,8 @@ impl ShardGroup {
 
     /// Warms every rank up. The group has as many blocks as its smallest
     /// member (each rank holds its slice of every block), and compilation is
-    /// pending when any rank says so (a step waits for its slowest rank).
+    /// pending when any rank says so (a step waits for its slowest rank);
+    /// the adapter slots' bytes are rank 0's.
     pub async fn warmup(
         &mut self,
         max_batch_prefill_tokens: u32,
@@ -157,7 +170,7 @@ impl ShardGroup {
             .min()
             .ok_or_else(|| ClientError::Protocol("no shards".into()))?;
         let compilation_pending = responses.iter().any(|r| r.compilation_pending);
-        Ok(Warmed { num_blocks, compilation_pending })
+        Ok(Warmed { num_blocks, compilation_pending, lora_bytes: responses[0].lora_bytes })
     }
 
     pub async fn clear_cache(&mut self) -> Result<(), ClientError> {
@@ -171,6 +184,23 @@ impl Shard for ShardGroup {
     /// step, otherwise rank 0's response is the answer.
     fn step(&mut self, request: StepRequest) -> impl Future<Output = Result<StepResponse, ClientError>> + Send {
         self.step_traced(request, StepTrace::default())
+    }
+
+    /// Every rank loads its slice of the adapter; rank 0's answer.
+    fn load_adapter(
+        &mut self,
+        request: LoadAdapterRequest,
+    ) -> impl Future<Output = Result<LoadAdapterResponse, ClientError>> + Send {
+        let all = try_join_all(self.clients.iter_mut().map(|c| c.load_adapter(request.clone())));
+        async move { Ok(all.await?.swap_remove(0).into_inner()) }
+    }
+
+    fn unload_adapter(&mut self, request: UnloadAdapterRequest) -> impl Future<Output = Result<(), ClientError>> + Send {
+        let all = try_join_all(self.clients.iter_mut().map(|c| c.unload_adapter(request.clone())));
+        async move {
+            all.await?;
+            Ok(())
+        }
     }
 
     fn step_traced(

@@ -229,6 +229,36 @@ pub struct ServingFlags {
     #[arg(long, env = "SLUICE_BATCH_MAX_LINES", default_value_t = 50_000,
           value_parser = clap::value_parser!(u32).range(1..))]
     pub batch_max_lines: u32,
+    /// LoRA adapters to serve, as NAME=PATH (a PEFT folder:
+    /// adapter_config.json + adapter_model.safetensors); several after one
+    /// flag, the flag repeated, or comma-separated. Requests pick one by
+    /// name (OpenAI `model`, TGI `adapter_id`). A bad adapter stops the
+    /// server at start with the reason.
+    #[arg(long, env = "SLUICE_LORA_ADAPTERS", num_args = 1.., value_delimiter = ',', value_name = "NAME=PATH",
+          value_parser = parse_lora_adapter)]
+    pub lora_adapters: Vec<LoraAdapter>,
+}
+
+/// One `--lora-adapters` entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoraAdapter {
+    pub name: String,
+    pub path: String,
+}
+
+impl std::fmt::Display for LoraAdapter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}={}", self.name, self.path)
+    }
+}
+
+fn parse_lora_adapter(value: &str) -> Result<LoraAdapter, String> {
+    match value.split_once('=') {
+        Some((name, path)) if !name.trim().is_empty() && !path.trim().is_empty() => {
+            Ok(LoraAdapter { name: name.trim().to_string(), path: path.trim().to_string() })
+        }
+        _ => Err(format!("`{value}` is not NAME=PATH (e.g. sql=/adapters/sql-lora)")),
+    }
 }
 
 /// `--data-dir`'s default: the user's data folder (XDG base directories).
@@ -351,6 +381,9 @@ impl ServingFlags {
         }
         if let Some(Speculate::Ngram) = self.speculate {
             flag("speculate", "ngram".to_string());
+        }
+        for adapter in &self.lora_adapters {
+            flag("lora-adapters", adapter.to_string());
         }
         for origin in &self.cors_allow_origin {
             flag("cors-allow-origin", origin.clone());
@@ -555,6 +588,7 @@ mod tests {
             "--ngram-max", "4", "--speculate-max-batch-size", "3", "--speculate-max-step-tokens", "32",
             "--data-dir", "/srv/sluice", "--batch-min-share", "0.25", "--batch-max-file-bytes", "1000",
             "--batch-max-lines", "10",
+            "--lora-adapters", "sql=/a/sql", "chat=/a/chat",
         ])
         .serving;
         let args = given.router_args();
@@ -594,6 +628,22 @@ mod tests {
             argv.push(bad);
             let err = RouterConfig::try_parse_from(argv).unwrap_err().to_string();
             assert!(err.contains(bad.split('=').next().unwrap()), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn lora_adapters_are_name_equals_path_however_given() {
+        let adapter = |name: &str, path: &str| LoraAdapter { name: name.into(), path: path.into() };
+        let config = parse(&["--lora-adapters", "a=/x", "b=/y,c=/z", "--lora-adapters", "d=rel/w"]);
+        assert_eq!(
+            config.serving.lora_adapters,
+            [adapter("a", "/x"), adapter("b", "/y"), adapter("c", "/z"), adapter("d", "rel/w")]
+        );
+        for bad in ["nopath", "=/x", "a="] {
+            let error = RouterConfig::try_parse_from(["sluice-router", "--tokenizer", "m", "--lora-adapters", bad])
+                .unwrap_err()
+                .to_string();
+            assert!(error.contains("is not NAME=PATH"), "{bad}: {error}");
         }
     }
 

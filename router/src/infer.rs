@@ -11,8 +11,14 @@
 //!   `max_new_tokens`, and on a shard error;
 //! - the handler side stops on a stop sequence (it owns the detokenizer):
 //!   it drops the stream, which the scheduler sees as a cancellation.
+//!
+//! LoRA adapters: the scheduler owns the registry (name -> adapter -> slot).
+//! Handlers load and unload adapters through [`Infer::load_adapter`] and
+//! [`Infer::unload_adapter`], and read the names requests may use from the
+//! catalog the scheduler publishes ([`Infer::adapters`]).
 
 use std::ops::AddAssign;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot, watch};
@@ -92,6 +98,9 @@ pub struct ValidRequest {
     pub prompt_logprobs: bool,
     /// The output constraint (structured output, tool calls), compiled.
     pub grammar: Option<crate::grammar::CompiledGrammar>,
+    /// The LoRA adapter to generate with (a name in the catalog); None: the
+    /// base model.
+    pub adapter: Option<String>,
     /// When the HTTP request arrived (queue-time metrics).
     pub arrived: Instant,
     /// Within its class, lower runs first (vLLM's convention; default 0).
@@ -170,6 +179,68 @@ pub enum InferError {
     /// request may be retried elsewhere or after the restart.
     #[error("{0}")]
     Unavailable(String),
+    /// The request names an adapter that was unloaded after it was
+    /// validated: HTTP 404.
+    #[error("{0}")]
+    UnknownAdapter(AdapterError),
+}
+
+/// A LoRA adapter the server can generate with, as /v1/models lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdapterInfo {
+    pub name: String,
+    /// The folder it was loaded from.
+    pub path: String,
+}
+
+/// The adapters requests may name, in name order: the scheduler (the
+/// registry's owner) publishes a new list whenever one is loaded or unloaded.
+pub type AdapterCatalog = watch::Receiver<Arc<Vec<AdapterInfo>>>;
+
+/// A catalog that never changes (tests, servers without adapters).
+pub fn fixed_catalog(adapters: Vec<AdapterInfo>) -> AdapterCatalog {
+    watch::channel(Arc::new(adapters)).1
+}
+
+/// Why loading or unloading an adapter failed (`POST /v1/load_lora_adapter`,
+/// `/v1/unload_lora_adapter`, `--lora-adapters` at start).
+#[derive(Debug, Clone, thiserror::Error, PartialEq)]
+pub enum AdapterError {
+    /// HTTP 400.
+    #[error("LoRA adapters are off on this server: start it with --lora-adapters, --lora-root or --max-loras")]
+    Disabled,
+    /// A name or path the request got wrong (HTTP 400, naming the field).
+    #[error("`{field}`: {message}")]
+    Invalid { field: &'static str, message: String },
+    /// No adapter of that name: HTTP 404.
+    #[error("there is no LoRA adapter `{name}`; loaded: {}", list_or_none(.known))]
+    Unknown { name: String, known: Vec<String> },
+    /// The shards refused the adapter (missing files, another base model's
+    /// shapes, a rank above --max-lora-rank, a path outside --lora-root):
+    /// HTTP 400 with their reason.
+    #[error("the adapter `{name}` cannot be loaded: {message}")]
+    Refused { name: String, message: String },
+    /// The shards failed otherwise: HTTP 500.
+    #[error("the shards failed to load the adapter `{name}`: {message}")]
+    Shard { name: String, message: String },
+}
+
+fn list_or_none(names: &[String]) -> String {
+    if names.is_empty() {
+        "none".into()
+    } else {
+        names.iter().map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", ")
+    }
+}
+
+/// What loading an adapter did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdapterLoaded {
+    pub rank: u32,
+    pub target_modules: Vec<String>,
+    /// The slot it was put in; None when every slot was busy (it is then
+    /// loaded when a request needs it).
+    pub slot: Option<u32>,
 }
 
 pub type InferStream = mpsc::UnboundedReceiver<Result<InferEvent, InferError>>;
@@ -186,13 +257,17 @@ pub enum SchedulerFailure {
     /// A bug: the scheduler's state can no longer be trusted.
     #[error("the scheduler panicked: {0}")]
     Panicked(String),
+    /// A LoadAdapter or UnloadAdapter RPC did not answer within the step
+    /// deadline: the shards are stuck as a late step would say.
+    #[error("the shards did not finish loading an adapter within {0:?}")]
+    AdapterDeadline(Duration),
 }
 
 impl SchedulerFailure {
     /// What clients are told: a panic's message stays in the log.
     pub fn public(&self) -> String {
         match self {
-            Self::StepDeadline(_) => self.to_string(),
+            Self::StepDeadline(_) | Self::AdapterDeadline(_) => self.to_string(),
             Self::Panicked(_) => "the scheduler failed".into(),
         }
     }
@@ -216,6 +291,8 @@ pub struct Entry {
 /// Facts the shard told us at startup, plus the scheduler's limits.
 #[derive(Debug, Clone)]
 pub struct ShardInfo {
+    /// Adapter slots of the shards (0: no LoRA).
+    pub max_loras: u32,
     pub model_type: String,
     pub dtype: String,
     pub device_type: String,
@@ -230,6 +307,21 @@ pub struct ShardInfo {
     /// for mixtures of experts).
     pub total_parameters: u64,
     pub active_parameters: u64,
+}
+
+/// The LoRA adapter registry's counts (scheduler/adapters.rs), for /metrics
+/// and the tests.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AdapterStats {
+    pub slots: u32,
+    /// Slots holding an adapter.
+    pub loaded: u32,
+    /// Adapters requests may name.
+    pub registered: usize,
+    /// Adapters the registry holds (registered, or unloaded but in use).
+    pub held: usize,
+    pub loads: u64,
+    pub evictions: u64,
 }
 
 /// Snapshot of the scheduler for /metrics, readiness and tests.
@@ -257,6 +349,8 @@ pub struct SchedulerStats {
     pub speculative_accepted_tokens: u64,
     /// Token counts of recent traffic (`--cost-window-secs`).
     pub window: WindowTotals,
+    /// LoRA adapters and slots.
+    pub adapters: AdapterStats,
 }
 
 /// Tokens seen in some interval.
@@ -324,6 +418,8 @@ pub struct Infer {
     pub info: std::sync::Arc<ShardInfo>,
     /// Set once, when the scheduler task ends abnormally.
     pub(crate) failure: watch::Receiver<Option<SchedulerFailure>>,
+    /// The adapters requests may name.
+    pub adapters: AdapterCatalog,
 }
 
 #[derive(Debug)]
@@ -333,6 +429,11 @@ pub(crate) enum Command {
     Stats(oneshot::Sender<SchedulerStats>),
     /// Stop admitting; the reply fires when the last running request ended.
     Drain(oneshot::Sender<()>),
+    /// Register an adapter under a name and load it (into a slot if one is
+    /// free or can be freed, else only checked).
+    LoadAdapter { name: String, path: String, reply: oneshot::Sender<Result<AdapterLoaded, AdapterError>> },
+    /// Forget an adapter's name; requests already using it finish with it.
+    UnloadAdapter { name: String, reply: oneshot::Sender<Result<(), AdapterError>> },
 }
 
 impl Infer {
@@ -384,6 +485,22 @@ impl Infer {
         }
         // The scheduler ended normally (every handle dropped).
         std::future::pending().await
+    }
+
+    /// Registers `path` (a PEFT folder the shards can read) as adapter `name`.
+    pub async fn load_adapter(&self, name: String, path: String) -> Result<AdapterLoaded, AdapterError> {
+        let (reply, answer) = oneshot::channel();
+        let gone = || AdapterError::Shard { name: name.clone(), message: "the scheduler is not running".into() };
+        self.commands.send(Command::LoadAdapter { name: name.clone(), path, reply }).await.map_err(|_| gone())?;
+        answer.await.map_err(|_| gone())?
+    }
+
+    /// Unregisters adapter `name`: new requests can no longer name it.
+    pub async fn unload_adapter(&self, name: String) -> Result<(), AdapterError> {
+        let (reply, answer) = oneshot::channel();
+        let gone = || AdapterError::Shard { name: name.clone(), message: "the scheduler is not running".into() };
+        self.commands.send(Command::UnloadAdapter { name: name.clone(), reply }).await.map_err(|_| gone())?;
+        answer.await.map_err(|_| gone())?
     }
 
     /// Stops admission and waits until running requests have finished.

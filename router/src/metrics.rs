@@ -88,6 +88,26 @@ fn describe() {
         "sluice_batch_api_generated_tokens_total",
         "Tokens generated for finished Batch API lines (not in sluice_generated_tokens_total)"
     );
+    describe_gauge!("sluice_lora_slots_capacity", "LoRA adapter slots of the shards (--max-loras)");
+    describe_gauge!("sluice_lora_slots_loaded", "Adapter slots holding an adapter");
+    describe_gauge!("sluice_lora_slots_active", "Adapter slots in use by running requests (never reloaded while so)");
+    describe_gauge!("sluice_lora_adapters", "LoRA adapters requests may name");
+    describe_gauge!(
+        "sluice_lora_adapters_held",
+        "LoRA adapters the router keeps: those requests may name, and unloaded ones requests still use"
+    );
+    describe_counter!("sluice_lora_loads_total", "Adapters loaded into a slot (at a load command or on demand)");
+    describe_counter!("sluice_lora_evictions_total", "Adapters taken out of a slot to make room for another");
+    describe_counter!(
+        "sluice_lora_requests_total",
+        "Successful generation requests by LoRA adapter (adapter=\"\": the base model)"
+    );
+    describe_counter!("sluice_lora_prompt_tokens_total", "Prompt tokens of successful requests by LoRA adapter");
+    describe_counter!("sluice_lora_generated_tokens_total", "Tokens generated for successful requests by LoRA adapter");
+    describe_gauge!(
+        "sluice_lora_spent_dollars",
+        "Dollars spent so far by LoRA adapter (--hourly-cost): each step's time, shared out by the tokens each request computed in it (only grows)"
+    );
     // Counters exist (at 0) before their first event, so rates and alerts
     // see them from the start.
     for name in [
@@ -144,7 +164,39 @@ pub fn batch_line(succeeded: bool, prompt_tokens: u64, generated_tokens: u64) {
     counter!("sluice_batch_api_generated_tokens_total").increment(generated_tokens);
 }
 
+/// A successful request's usage, by its adapter (`""`: the base model).
+/// Recorded only when adapters are on.
+pub fn adapter_usage(adapter: &str, prompt: usize, generated: u32) {
+    let adapter = adapter.to_string();
+    counter!("sluice_lora_requests_total", "adapter" => adapter.clone()).increment(1);
+    counter!("sluice_lora_prompt_tokens_total", "adapter" => adapter.clone()).increment(prompt as u64);
+    counter!("sluice_lora_generated_tokens_total", "adapter" => adapter).increment(u64::from(generated));
+}
+
 // -- scheduler --------------------------------------------------------------
+
+/// The adapter slots after a change; `active`: slots running requests use.
+pub fn adapter_occupancy(stats: &crate::infer::AdapterStats, active: usize) {
+    gauge!("sluice_lora_slots_capacity").set(f64::from(stats.slots));
+    gauge!("sluice_lora_slots_loaded").set(f64::from(stats.loaded));
+    gauge!("sluice_lora_slots_active").set(active as f64);
+    gauge!("sluice_lora_adapters").set(stats.registered as f64);
+    gauge!("sluice_lora_adapters_held").set(stats.held as f64);
+}
+
+pub fn adapter_loaded() {
+    counter!("sluice_lora_loads_total").increment(1);
+}
+
+pub fn adapter_evicted() {
+    counter!("sluice_lora_evictions_total").increment(1);
+}
+
+/// `dollars` of a step spent on `adapter`'s requests (`""`: the base model).
+/// A gauge that only grows: the recorder's counters count integers.
+pub fn adapter_cost(adapter: &str, dollars: f64) {
+    gauge!("sluice_lora_spent_dollars", "adapter" => adapter.to_string()).increment(dollars);
+}
 
 /// What the scheduler holds after a change.
 #[derive(Debug, Clone, Copy)]

@@ -5,7 +5,8 @@
 //!   (requests listing it + 1 if the tree caches it): never negative;
 //! - no block has two writers: the block a request writes next is held by
 //!   it alone and is not in the tree;
-//! - a lookup returns only blocks whose KV is of exactly the prompt's tokens.
+//! - a lookup returns only blocks whose KV is of exactly the prompt's tokens,
+//!   computed in the same namespace (the base model, or one LoRA adapter).
 //!
 //! When everything has finished, free + cached = total.
 
@@ -21,8 +22,8 @@ const NUM_BLOCKS: u32 = 24;
 #[derive(Debug, Clone)]
 enum Op {
     /// Admit a prompt: `base` picks a shared prefix, `len` its length,
-    /// `tail` a private suffix.
-    Admit { base: usize, len: usize, tail: Vec<u32> },
+    /// `tail` a private suffix, `ns` the adapter (0: the base model).
+    Admit { base: usize, len: usize, tail: Vec<u32>, ns: u64 },
     /// A running request computes `n` more tokens.
     Grow { req: usize, n: usize },
     Finish { req: usize },
@@ -34,7 +35,8 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        3 => (0..3usize, 1..20usize, prop::collection::vec(1..6u32, 0..6)).prop_map(|(base, len, tail)| Op::Admit { base, len, tail }),
+        3 => (0..3usize, 1..20usize, prop::collection::vec(1..6u32, 0..6), 0..3u64)
+            .prop_map(|(base, len, tail, ns)| Op::Admit { base, len, tail, ns }),
         4 => (0..8usize, 1..6usize).prop_map(|(req, n)| Op::Grow { req, n }),
         2 => (0..8usize).prop_map(|req| Op::Finish { req }),
         1 => (0..8usize).prop_map(|req| Op::Preempt { req }),
@@ -44,6 +46,7 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 struct Req {
+    ns: u64,
     tokens: Vec<u32>,
     blocks: Vec<BlockId>,
 }
@@ -52,9 +55,9 @@ struct World {
     alloc: BlockAllocator,
     tree: RadixTree,
     running: Vec<Req>,
-    waiting: Vec<Vec<u32>>,
-    /// Ground truth: the token prefix whose KV a full block holds.
-    content: HashMap<BlockId, Vec<u32>>,
+    waiting: Vec<(u64, Vec<u32>)>,
+    /// Ground truth: the namespace and token prefix whose KV a full block holds.
+    content: HashMap<BlockId, (u64, Vec<u32>)>,
     next_token: u32,
 }
 
@@ -72,14 +75,15 @@ impl World {
     fn fill(&mut self, req: usize, from: usize) {
         let r = &self.running[req];
         for i in from / BS..r.tokens.len() / BS {
-            self.content.insert(r.blocks[i], r.tokens[..(i + 1) * BS].to_vec());
+            self.content.insert(r.blocks[i], (r.ns, r.tokens[..(i + 1) * BS].to_vec()));
         }
     }
 
-    fn admit(&mut self, prompt: Vec<u32>) {
-        let mut matched = self.tree.match_prefix(&prompt);
+    fn admit(&mut self, ns: u64, prompt: Vec<u32>) {
+        let mut matched = self.tree.match_prefix(ns, &prompt);
         for (i, b) in matched.iter().enumerate() {
-            assert_eq!(self.content.get(b), Some(&prompt[..(i + 1) * BS].to_vec()), "lookup returned a block with other tokens");
+            let want = (ns, prompt[..(i + 1) * BS].to_vec());
+            assert_eq!(self.content.get(b), Some(&want), "lookup returned a block of other tokens or another namespace");
         }
         matched.truncate((prompt.len() - 1) / BS);
         for &b in &matched {
@@ -90,7 +94,7 @@ impl World {
             Some(fresh) => {
                 let computed_from = matched.len() * BS;
                 matched.extend(fresh);
-                self.running.push(Req { tokens: prompt, blocks: matched });
+                self.running.push(Req { ns, tokens: prompt, blocks: matched });
                 self.fill(self.running.len() - 1, computed_from);
             }
             None => {
@@ -114,13 +118,13 @@ impl World {
         self.fill(req, from);
     }
 
-    fn release(&mut self, req: usize) -> Vec<u32> {
+    fn release(&mut self, req: usize) -> (u64, Vec<u32>) {
         let r = self.running.swap_remove(req);
-        self.tree.insert(&r.tokens, &r.blocks, &mut self.alloc);
+        self.tree.insert(r.ns, &r.tokens, &r.blocks, &mut self.alloc);
         for &b in &r.blocks {
             self.alloc.release(b);
         }
-        r.tokens
+        (r.ns, r.tokens)
     }
 
     fn check(&self) {
@@ -164,20 +168,20 @@ proptest! {
         };
         for op in ops {
             match op {
-                Op::Admit { base, len, tail } => {
+                Op::Admit { base, len, tail, ns } => {
                     let mut prompt = bases[base][..len.min(24)].to_vec();
                     prompt.extend(tail);
-                    w.admit(prompt);
+                    w.admit(ns, prompt);
                 }
                 Op::Grow { req, n } if req < w.running.len() => w.grow(req, n),
                 Op::Finish { req } if req < w.running.len() => { w.release(req); }
                 Op::Preempt { req } if req < w.running.len() => {
-                    let tokens = w.release(req);
-                    w.waiting.push(tokens);
+                    let released = w.release(req);
+                    w.waiting.push(released);
                 }
                 Op::Resume { which } if which < w.waiting.len() => {
-                    let tokens = w.waiting.remove(which);
-                    w.admit(tokens);
+                    let (ns, tokens) = w.waiting.remove(which);
+                    w.admit(ns, tokens);
                 }
                 Op::Evict { n } => { w.tree.evict(n, &mut w.alloc); }
                 _ => {}

@@ -1,5 +1,6 @@
 //! The tonic shard client over unix sockets, against two in-process gRPC
-//! "ranks": discovery, fan-out of every step to every rank, rank 0's answer.
+//! "ranks": discovery, fan-out of every step (and adapter load) to every
+//! rank, rank 0's answer.
 
 use std::sync::{Arc, Mutex};
 
@@ -15,6 +16,8 @@ struct Rank {
     urls: Vec<String>,
     num_blocks: u32,
     steps: Arc<Mutex<Vec<StepRequest>>>,
+    /// LoadAdapter (path) and UnloadAdapter ("") calls: (slot, path).
+    adapters: Arc<Mutex<Vec<(u32, String)>>>,
     fail_steps: bool,
 }
 
@@ -34,7 +37,12 @@ impl Shard for Rank {
     }
     async fn warmup(&self, _: Request<WarmupRequest>) -> Result<Response<WarmupResponse>, Status> {
         // Only rank 1 may still compile kernels: the group must say so.
-        Ok(Response::new(WarmupResponse { num_blocks: self.num_blocks, kv_cache_bytes: 0, compilation_pending: self.rank == 1 }))
+        Ok(Response::new(WarmupResponse {
+            num_blocks: self.num_blocks,
+            kv_cache_bytes: 0,
+            compilation_pending: self.rank == 1,
+            lora_bytes: 1000 + self.rank as u64,
+        }))
     }
     async fn step(&self, request: Request<StepRequest>) -> Result<Response<StepResponse>, Status> {
         if self.fail_steps {
@@ -52,21 +60,36 @@ impl Shard for Rank {
     async fn clear_cache(&self, _: Request<ClearCacheRequest>) -> Result<Response<ClearCacheResponse>, Status> {
         Ok(Response::new(ClearCacheResponse {}))
     }
+    async fn load_adapter(&self, request: Request<LoadAdapterRequest>) -> Result<Response<LoadAdapterResponse>, Status> {
+        let request = request.into_inner();
+        if request.path.contains("bad") && self.rank == 1 {
+            return Err(Status::invalid_argument("rank 1 refuses it"));
+        }
+        self.adapters.lock().unwrap().push((request.slot, request.path));
+        Ok(Response::new(LoadAdapterResponse { rank: 8 + self.rank, target_modules: vec!["q_proj".into()] }))
+    }
+    async fn unload_adapter(&self, request: Request<UnloadAdapterRequest>) -> Result<Response<UnloadAdapterResponse>, Status> {
+        self.adapters.lock().unwrap().push((request.into_inner().slot, String::new()));
+        Ok(Response::new(UnloadAdapterResponse {}))
+    }
 }
 
-/// Serves two ranks under `dir`; returns their step logs.
-fn serve(dir: &std::path::Path, fail_rank_1: bool) -> Vec<Arc<Mutex<Vec<StepRequest>>>> {
+type Logs = (Arc<Mutex<Vec<StepRequest>>>, Arc<Mutex<Vec<(u32, String)>>>);
+
+/// Serves two ranks under `dir`; returns their step and adapter logs.
+fn serve(dir: &std::path::Path, fail_rank_1: bool) -> Vec<Logs> {
     let paths: Vec<_> = (0..2).map(|r| dir.join(format!("shard-{r}"))).collect();
     let urls: Vec<String> = paths.iter().map(|p| format!("unix://{}", p.display())).collect();
     let mut logs = Vec::new();
     for (rank, path) in paths.iter().enumerate() {
-        let steps = Arc::new(Mutex::new(Vec::new()));
-        logs.push(steps.clone());
+        let (steps, adapters) = (Arc::new(Mutex::new(Vec::new())), Arc::new(Mutex::new(Vec::new())));
+        logs.push((steps.clone(), adapters.clone()));
         let service = Rank {
             rank: rank as u32,
             urls: urls.clone(),
             num_blocks: 100 - rank as u32,
             steps,
+            adapters,
             fail_steps: fail_rank_1 && rank == 1,
         };
         let listener = tokio::net::UnixListener::bind(path).unwrap();
@@ -95,7 +118,7 @@ async fn steps_go_to_every_rank_and_rank_0_answers() {
     assert_eq!(group.info().await.unwrap().rank, 0);
     group.health().await.unwrap();
     let warmed = group.warmup(64, 8, 128).await.unwrap();
-    assert_eq!(warmed.num_blocks, 99, "the smallest rank's num_blocks");
+    assert_eq!((warmed.num_blocks, warmed.lora_bytes), (99, 1000), "the smallest rank's num_blocks, rank 0's bytes");
     assert!(warmed.compilation_pending, "one rank still compiling holds every step");
     group.clear_cache().await.unwrap();
 
@@ -106,9 +129,19 @@ async fn steps_go_to_every_rank_and_rank_0_answers() {
     };
     let response = group.step(step.clone()).await.unwrap();
     assert_eq!(response.generations[0].token_id, 1000, "rank 0's answer");
-    for log in &logs {
-        assert_eq!(log.lock().unwrap().as_slice(), std::slice::from_ref(&step));
+    for (steps, _) in &logs {
+        assert_eq!(steps.lock().unwrap().as_slice(), std::slice::from_ref(&step));
     }
+
+    // Adapters load on every rank; rank 0 answers; any rank's refusal fails it.
+    let load = LoadAdapterRequest { slot: 2, path: "/a/sql".into(), finished_ids: vec![4] };
+    assert_eq!(group.load_adapter(load).await.unwrap().rank, 8);
+    group.unload_adapter(UnloadAdapterRequest { slot: 2, finished_ids: vec![] }).await.unwrap();
+    for (_, adapters) in &logs {
+        assert_eq!(adapters.lock().unwrap().as_slice(), [(2, "/a/sql".to_string()), (2, String::new())]);
+    }
+    let refused = group.load_adapter(LoadAdapterRequest { slot: 1, path: "/a/bad".into(), finished_ids: vec![] }).await;
+    assert!(matches!(refused, Err(sluice_router::client::ClientError::Status(s)) if s.code() == tonic::Code::InvalidArgument));
     let _ = std::fs::remove_dir_all(&dir);
 }
 

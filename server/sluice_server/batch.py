@@ -23,6 +23,10 @@ last positions (verification, in model_runner):
                        start   end=L |
     query:                    t(L-1)  d0 d1 d2         query_len = 1 + K
     logits rows:              L-1     L  L+1 L+2       draws for positions L .. L+K
+
+LoRA: a request on an adapter slot has its rows in that slot's segment
+(layers.lora): decodes and prefill chunks are each ordered by slot, so the
+rows of one adapter are consecutive.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import torch
 
 from sluice_server import sampling
 from sluice_server.layers.attention import AttentionMetadata
+from sluice_server.layers.lora import LoraSegments, build_segments
 from sluice_server.pb import shard_pb2
 
 
@@ -55,6 +60,8 @@ class RequestState:
     grammar: object | None = None
     # params.logit_bias as tensors (sampling.logit_bias_tensors), built once.
     logit_bias: object | None = None
+    # The adapter slot whose LoRA applies to the request (0: the base model).
+    adapter_slot: int = 0
 
 
 @dataclass
@@ -94,6 +101,8 @@ class ShardLimits:
     num_blocks: int
     block_size: int
     vocab_size: int
+    # Adapter slots that hold an adapter (a request may name only these).
+    adapter_slots: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -126,6 +135,13 @@ def _check_params(params: shard_pb2.SamplingParams, limits: ShardLimits) -> str 
     return None
 
 
+def _check_adapter(req: shard_pb2.NewRequest, limits: ShardLimits) -> str | None:
+    """A request on an adapter slot that holds nothing, or None."""
+    if req.adapter_slot == 0 or req.adapter_slot in limits.adapter_slots:
+        return None
+    return f"adapter slot {req.adapter_slot} holds no adapter"
+
+
 def _new_state(req: shard_pb2.NewRequest, limits: ShardLimits) -> RequestState:
     rid, tokens = req.id, list(req.token_ids)
     n = len(tokens)
@@ -151,6 +167,7 @@ def _new_state(req: shard_pb2.NewRequest, limits: ShardLimits) -> RequestState:
         block_ids=block_ids,
         params=req.params,
         prompt_logprobs=[] if req.params.prompt_logprobs else None,
+        adapter_slot=req.adapter_slot,
     )
 
 
@@ -165,7 +182,7 @@ def check_step(requests: dict[int, RequestState], step: shard_pb2.StepRequest, l
             raise InvalidStep(f"request {req.id} is already known to the shard (duplicate id)")
         seen.add(req.id)
         state = _new_state(req, limits)
-        problem = _check_params(req.params, limits)
+        problem = _check_params(req.params, limits) or _check_adapter(req, limits)
         if problem is not None:
             checked.errors.append((req.id, problem))
             continue
@@ -222,10 +239,13 @@ class Batch:
     # 1 (sampling only), 1 + len(draft) (verifying drafts), the chunk length
     # (prompt logprobs) or 0.
     logits_rows: list[tuple[int, int]]
+    # The rows of each adapter (layers.lora); None when every row is the base model's.
+    lora: LoraSegments | None = None
 
 
 def build_batch(work: list[Work], block_size: int, device: torch.device) -> Batch:
-    """Orders `work` decodes-first and builds the step's tensors.
+    """Orders `work` decodes-first (each part by adapter slot) and builds the
+    step's tensors.
 
     Positions and slots come from a few vectorised ops over T tokens:
 
@@ -233,7 +253,7 @@ def build_batch(work: list[Work], block_size: int, device: torch.device) -> Batc
         positions     = start[seq] + (t - query_start_loc[seq])
         slot_mapping  = block_tables[seq, pos // bs] * bs + pos % bs
     """
-    work = sorted(work, key=lambda w: w.query_len != 1)
+    work = sorted(work, key=lambda w: (w.query_len != 1, w.state.adapter_slot))
     num_decodes = sum(1 for w in work if w.query_len == 1)
     q_lens = [w.query_len for w in work]
     seq_lens = [w.end + len(w.draft) for w in work]
@@ -285,4 +305,5 @@ def build_batch(work: list[Work], block_size: int, device: torch.device) -> Batc
         attn=attn,
         logits_indices=torch.tensor(indices, dtype=torch.int64).to(device),
         logits_rows=logits_rows,
+        lora=build_segments(q_lens, [w.state.adapter_slot for w in work], device),
     )

@@ -5,6 +5,7 @@
                   [--kv-cache-dtype auto|float32|bfloat16] [--cpu-kernels auto|on|off]
                   [--cpu-block-rows N] [--num-threads N]
                   [--attention-backend auto|torch|triton] [--json-output]
+                  [--max-loras N] [--max-lora-rank R] [--lora-root DIR ...]
         Rank r (RANK, default 0) listens on unix://PATH-r and logs
         "Server started at unix://PATH-r" once it accepts calls.
         SIGTERM/SIGINT: stop, remove the socket, exit 0.
@@ -94,6 +95,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     serve.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                        help="auto: triton on CUDA, torch on CPU (triton on CPU needs TRITON_INTERPRET=1)")
     serve.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    serve.add_argument("--max-loras", type=int, default=0,
+                       help="LoRA adapter slots, allocated at warmup (0: adapters off)")
+    serve.add_argument("--max-lora-rank", type=int, default=64, help="the highest rank an adapter may have")
+    serve.add_argument("--lora-root", action="append", default=[], type=Path,
+                       help="a folder adapters may be loaded from (repeat for several)")
     serve.add_argument("--json-output", action="store_true")
     serve.add_argument("--otlp-endpoint", default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
                        help="OTLP/gRPC collector for traces (tracing is off when unset)")
@@ -136,7 +142,8 @@ async def serve(args: argparse.Namespace) -> int:
         started = time.perf_counter()
         runner = ModelRunner(
             args.model_dir, dtype=args.dtype, device=args.device, block_size=args.block_size, dist=dist,
-            attention_backend=args.attention_backend, options=options,
+            attention_backend=args.attention_backend, options=options, max_loras=args.max_loras,
+            max_lora_rank=args.max_lora_rank, lora_roots=args.lora_root,
         )
         log.info(
             "loaded %s (%s, %s) in %.1fs, %d CPU threads; KV cache %s, CPU kernels %s, weights %.1f MiB",

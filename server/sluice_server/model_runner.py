@@ -1,8 +1,9 @@
 """Runs a step: the batch, the forward pass, prompt logprobs and sampling.
 
-Owns the weights, the KV cache and warmup. `run_step` is the whole step on
-the model's side; what it returns (`StepOutput`) is plain data that the
-shard (servicer.py) commits to its request table and maps to the reply.
+Owns the weights, the LoRA adapter slots (adapters.py), the KV cache and
+warmup. `run_step` is the whole step on the model's side; what it returns
+(`StepOutput`) is plain data that the shard (servicer.py) commits to its
+request table and maps to the reply.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from sluice_kernels import cpu_kernels
 from sluice_kernels.cpu_matmuls import CpuMatmuls, cpu_flags, native_bf16, plan_cpu_matmuls
 from sluice_server import constraints, sampling
+from sluice_server.adapters import AdapterSlots
 from sluice_server.batch import Batch, RequestState, Work, build_batch
 from sluice_server.distributed import SINGLE, Distributed
 from sluice_server.kv_cache import KVCache
@@ -198,6 +200,7 @@ class WarmupResult:
     kv_cache_bytes: int
     # Later steps may still compile kernels (see WarmupResponse in the proto).
     compilation_pending: bool
+    lora_bytes: int = 0
 
 
 class ModelRunner:
@@ -212,6 +215,9 @@ class ModelRunner:
         attention_backend: str = "auto",
         pack_weights: bool = True,
         options: ShardOptions = ShardOptions(),
+        max_loras: int = 0,
+        max_lora_rank: int = 64,
+        lora_roots: list[Path | str] = (),
     ):
         self.model_dir = Path(model_dir)
         config_path = self.model_dir / "config.json"
@@ -253,6 +259,8 @@ class ModelRunner:
         log.info("parameters: %s total, %s active per token", f"{self.total_parameters:,}",
                  f"{self.active_parameters:,}")
         self.kv_cache: KVCache | None = None
+        # Allocated at warmup, beside the KV cache.
+        self.adapters = AdapterSlots(self.model, max_loras, max_lora_rank, list(lora_roots))
 
     def _prepare_cpu_weights(self, requested_dtype: str) -> CpuMatmuls:
         """Attaches the GGUF blocks and packs the dense weights as the plan
@@ -301,17 +309,29 @@ class ModelRunner:
             hidden = self._decode_on_cpu_decoder(batch, cache)
         else:
             self.backend.prepare(batch.attn)
-            hidden = self.model(batch.input_ids, batch.positions, cache.layers, batch.attn)
+            with self.adapters.applied(batch.lora):
+                hidden = self.model(batch.input_ids, batch.positions, cache.layers, batch.attn)
         if batch.logits_indices.numel() == 0:
             return torch.empty(0, self.vocab_size)
         return self.model.compute_logits(hidden[batch.logits_indices]).cpu()
+
+    def lora_kernel(self) -> str:
+        """Which grouped matmul applies LoRA adapters (layers.lora): Triton's
+        with the triton backend, the C++ one on CPU in float32 where the CPU
+        kernels are loaded, else plain torch."""
+        if self.backend.name == "triton":
+            return "triton"
+        if self.device.type == "cpu" and self.dtype == torch.float32 and getattr(self.backend, "cpu_kernels", False):
+            return "cpu"
+        return "torch"
 
     def decoder_takes(self, batch: Batch) -> bool:
         """Whether the C++ decoder runs this step: at most its row limit, and
         every work item computes one token of its own (a decode, perhaps
         followed by draft tokens to verify); prefill chunks and mixed steps
-        run the model's forward."""
-        if self.cpu_decoder is None:
+        run the model's forward, as do steps with LoRA adapter rows while the
+        decoder has no LoRA stacks."""
+        if self.cpu_decoder is None or (batch.lora is not None and self.cpu_decoder.lora_scales is None):
             return False
         tokens = batch.input_ids.numel()
         if not 0 < tokens <= self.cpu_decoder.max_rows:
@@ -335,7 +355,7 @@ class ModelRunner:
             )
             block_tables, seq_lens = block_tables[rows], batch.positions + 1
         return self.cpu_decoder.forward(
-            batch.input_ids, batch.positions, meta.slot_mapping, block_tables, seq_lens, cache.layers
+            batch.input_ids, batch.positions, meta.slot_mapping, block_tables, seq_lens, cache.layers, batch.lora
         )
 
     def build_batch(self, work: list[Work]) -> Batch:
@@ -454,11 +474,13 @@ class ModelRunner:
     def warmup(
         self, max_batch_prefill_tokens: int, max_batch_size: int, max_total_tokens: int, kv_cache_bytes: int | None
     ) -> WarmupResult:
-        """Runs the largest step the router may send, then sizes the KV cache.
+        """Allocates the adapter slots, runs the largest step the router may
+        send, then sizes the KV cache from the memory left.
 
         The dummy step prefills max_batch_prefill_tokens tokens, split into
         sequences of at most max_total_tokens, with logits for every token (the
-        prompt_logprobs worst case), in a temporary cache just big enough.
+        prompt_logprobs worst case), in a temporary cache just big enough;
+        with adapters on, its sequences use every slot at the highest rank.
         The weights (every expert's, for mixtures of experts) are loaded
         before, so the budget is what is left beside them; an expert layer's
         activations are T x top_k rows however its tokens are routed, so the
@@ -467,10 +489,14 @@ class ModelRunner:
         if min(max_batch_prefill_tokens, max_batch_size, max_total_tokens) == 0:
             raise ValueError("warmup limits must all be > 0")
         self.kv_cache = None
+        lora_bytes = self.adapters.allocate(self.lora_kernel())
+        if self.cpu_decoder is not None and self.adapters.enabled:
+            self.cpu_decoder.attach_lora()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        self._dummy_step(max_batch_prefill_tokens, max_total_tokens)
+        with self.adapters.at_full_rank():
+            self._dummy_step(max_batch_prefill_tokens, max_total_tokens)
         per_block = self.bytes_per_block()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -495,8 +521,14 @@ class ModelRunner:
             "KV cache: %d blocks of %d tokens, %s (%.1f MiB)",
             num_blocks, self.block_size, str(self.kv_dtype).removeprefix("torch."), cache.nbytes / 2**20,
         )
+        if self.adapters.enabled:
+            log.info(
+                "LoRA: %d adapter slots of rank <= %d (%.1f MiB), applied by the %s grouped matmul",
+                self.adapters.max_loras, self.adapters.max_rank, lora_bytes / 2**20, self.lora_kernel(),
+            )
         return WarmupResult(
-            num_blocks=num_blocks, kv_cache_bytes=cache.nbytes, compilation_pending=self.backend.compiles_lazily
+            num_blocks=num_blocks, kv_cache_bytes=cache.nbytes, compilation_pending=self.backend.compiles_lazily,
+            lora_bytes=lora_bytes,
         )
 
     def forward_probe(self) -> None:
@@ -517,9 +549,10 @@ class ModelRunner:
             n = min(remaining, max_seq_len)
             blocks = list(range(next_block, next_block + -(-n // self.block_size)))
             next_block += len(blocks)
+            slot = len(work) % self.adapters.max_loras + 1 if self.adapters.enabled else 0
             state = RequestState(
                 id=len(work), token_ids=[0] * n, num_prompt_tokens=n, num_computed_tokens=0,
-                block_ids=blocks, params=shard_pb2.SamplingParams(), prompt_logprobs=[],
+                block_ids=blocks, params=shard_pb2.SamplingParams(), prompt_logprobs=[], adapter_slot=slot,
             )
             work.append(Work(state, 0, n, blocks))
             remaining -= n

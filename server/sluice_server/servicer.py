@@ -18,6 +18,10 @@ after the accepted drafts, and its block table is cut to the blocks that
 hold computed slots (the router cuts its own the same way; the proto's
 ScheduledRequest.draft_token_ids says how).
 
+LoRA adapters: LoadAdapter / UnloadAdapter fill and empty the model runner's
+adapter slots (adapters.py) between steps; a NewRequest names the slot its
+adapter is in. A slot a held request uses is never refilled or emptied.
+
 Constrained requests (structured output, tool calls) get a matcher when they
 arrive (constraints.Grammar, rebuilt from prompt + generated tokens for a
 resumed one); the runner masks their rows before sampling and the commit
@@ -52,6 +56,10 @@ log = logging.getLogger(__name__)
 
 class NotWarmedUp(RuntimeError):
     """Step before Warmup: there is no KV cache yet (FAILED_PRECONDITION)."""
+
+
+class SlotInUse(RuntimeError):
+    """An adapter slot that a held request uses cannot change (FAILED_PRECONDITION)."""
 
 
 class Shard:
@@ -89,6 +97,8 @@ class Shard:
             weight_bytes=r.weight_bytes,
             total_parameters=r.total_parameters,
             active_parameters=r.active_parameters,
+            max_loras=r.adapters.max_loras,
+            max_lora_rank=r.adapters.max_rank,
         )
 
     def warmup(self, req: shard_pb2.WarmupRequest) -> shard_pb2.WarmupResponse:
@@ -103,7 +113,38 @@ class Shard:
             num_blocks=result.num_blocks,
             kv_cache_bytes=result.kv_cache_bytes,
             compilation_pending=result.compilation_pending,
+            lora_bytes=result.lora_bytes,
         )
+
+    def load_adapter(self, req: shard_pb2.LoadAdapterRequest) -> shard_pb2.LoadAdapterResponse:
+        """Checks the adapter at req.path, and with a slot loads it there."""
+        adapters = self.runner.adapters
+        for rid in req.finished_ids:
+            self._drop(rid)
+        if req.slot == 0:
+            adapter = adapters.read(req.path)
+        else:
+            self._check_slot_free(req.slot)
+            if not adapters.allocated:
+                raise NotWarmedUp("LoadAdapter before Warmup: the adapter slots are not allocated")
+            adapter = adapters.load(req.slot, req.path)
+            log.info("adapter slot %d: %s (rank %d, %s)", req.slot, req.path, adapter.rank,
+                     ", ".join(adapter.target_modules))
+        return shard_pb2.LoadAdapterResponse(rank=adapter.rank, target_modules=adapter.target_modules)
+
+    def unload_adapter(self, req: shard_pb2.UnloadAdapterRequest) -> shard_pb2.UnloadAdapterResponse:
+        for rid in req.finished_ids:
+            self._drop(rid)
+        self._check_slot_free(req.slot)
+        if not self.runner.adapters.allocated:
+            raise NotWarmedUp("UnloadAdapter before Warmup: the adapter slots are not allocated")
+        self.runner.adapters.unload(req.slot)
+        return shard_pb2.UnloadAdapterResponse()
+
+    def _check_slot_free(self, slot: int) -> None:
+        users = [rid for rid, state in self.requests.items() if state.adapter_slot == slot]
+        if users:
+            raise SlotInUse(f"adapter slot {slot} is in use by request(s) {', '.join(map(str, users[:8]))}")
 
     def clear(self) -> None:
         self.requests.clear()
@@ -128,7 +169,12 @@ class Shard:
         cache = self.runner.kv_cache
         if cache is None:
             raise NotWarmedUp("Step before Warmup: the KV cache is not allocated")
-        limits = ShardLimits(num_blocks=cache.num_blocks, block_size=cache.block_size, vocab_size=self.runner.vocab_size)
+        limits = ShardLimits(
+            num_blocks=cache.num_blocks,
+            block_size=cache.block_size,
+            vocab_size=self.runner.vocab_size,
+            adapter_slots=self.runner.adapters.held_slots(),
+        )
         checked = check_step(self.requests, req, limits)
         arriving_constrained = self._attach_grammars(req, checked)
         for rid in req.finished_ids:
@@ -298,7 +344,7 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
                 return await _finish(self.model_thread.run(fn, *args))
             except InvalidStep as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            except NotWarmedUp as e:
+            except (NotWarmedUp, SlotInUse) as e:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
             except KVBudgetError as e:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
@@ -329,6 +375,12 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
             response = await self._run(context, self.shard.step, request)
             telemetry.record_step(span, response)
             return response
+
+    async def LoadAdapter(self, request, context):
+        return await self._run(context, self.shard.load_adapter, request)
+
+    async def UnloadAdapter(self, request, context):
+        return await self._run(context, self.shard.unload_adapter, request)
 
     async def ClearCache(self, request, context):
         async with self.lock:

@@ -254,3 +254,37 @@ def add_bpe_vocabulary(writer, tokens: list[str], merges: list[str]) -> None:
     writer.add_bos_token_id(len(tokens) - 1)
     writer.add_eos_token_id(len(tokens) - 1)
     writer.add_pad_token_id(len(tokens) - 1)
+def make_lora_adapter(
+    base: Path,
+    folder: Path,
+    seed: int,
+    r: int = 4,
+    alpha: float = 8.0,
+    target_modules: tuple[str, ...] = ("q_proj", "v_proj"),
+    use_rslora: bool = False,
+    b_std: float = 0.1,
+) -> Path:
+    """Saves a LoRA adapter over the model in `base` with peft into `folder`
+    (adapter_config.json + adapter_model.safetensors). A and B are random
+    (peft starts B at zero, which would change nothing), B with standard
+    deviation `b_std`, so the adapter's outputs differ from the base model's.
+    The weights depend only on the base, the arguments and `seed`."""
+    import peft
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    config = peft.LoraConfig(
+        r=r, lora_alpha=alpha, target_modules=list(target_modules), use_rslora=use_rslora, lora_dropout=0.0,
+        init_lora_weights=False, task_type="CAUSAL_LM",
+    )
+    adapted = peft.get_peft_model(model, config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_A" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) / p.shape[1] ** 0.5)
+            elif "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * b_std)
+    adapted.save_pretrained(folder)
+    return folder

@@ -162,3 +162,65 @@ def test_draft_verification_runs_on_the_cpu_decoder(runner, request):
     flipped = (rows[0].argmax(-1) != rows[1].argmax(-1)).nonzero().flatten().tolist()
     assert not flipped, f"rows whose top token differs between the decoder and the Python step: {flipped}"
     assert errors[worst] < bound, f"row {worst} of {len(errors)}: relative error {errors[worst]:.4f} >= {bound}"
+
+
+@pytest.fixture(scope="module")
+def lora_runner(smollm2_dir, tmp_path_factory):
+    """The bundled model (float32) with two adapters in slots 1 and 2: one of
+    every module at rank 8, one of q and v at rank 4."""
+    from sluice_server.testing import make_lora_adapter
+
+    root = tmp_path_factory.mktemp("smollm2-adapters")
+    make_lora_adapter(smollm2_dir, root / "all", 1, r=8, alpha=16, b_std=0.02,
+                      target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    make_lora_adapter(smollm2_dir, root / "qv", 2, r=4, alpha=8, b_std=0.02)
+    runner = ModelRunner(smollm2_dir, dtype="float32", max_loras=2, max_lora_rank=8, lora_roots=[root])
+    runner.warmup(64, 8, 256, kv_cache_bytes=2**24)
+    assert runner.lora_kernel() == "cpu" and runner.cpu_decoder.lora_scales is not None
+    runner.adapters.load(1, str(root / "all"))
+    runner.adapters.load(2, str(root / "qv"))
+    return runner
+
+
+def test_the_cpu_decoder_applies_lora_as_the_python_forward(lora_runner):
+    """Decode steps mixing the base model and both adapters: the decoder's
+    logits and KV are bitwise the Python forward's (the same C++ grouped
+    matmul at the same points), and each adapter changes its rows."""
+    prompts = [[1, 200, 4000, 17, 30, 31], [2, 201, 3999, 16], [3, 202, 3998, 15, 90], [4, 7, 8]]
+    slots = [0, 1, 2, 1]
+
+    def decode(use_decoder: bool):
+        decoder = lora_runner.cpu_decoder
+        driver = Driver(lora_runner, num_blocks=64, seed=3)
+        states = [driver.request(i, p + [7, 9]) for i, p in enumerate(prompts)]
+        for s, p, slot in zip(states, prompts, slots):
+            s.adapter_slot = slot
+            driver.step([(s, len(p))])
+        lora_runner.cpu_decoder = decoder if use_decoder else None
+        steps = decoder.steps
+        try:
+            for _ in range(2):
+                driver.step([(s, 1) for s in states])
+        finally:
+            lora_runner.cpu_decoder = decoder
+        assert decoder.steps == steps + (2 if use_decoder else 0)
+        logits = [driver.computed(s.id, len(p), len(p) + 2) for s, p in zip(states, prompts)]
+        return logits, [(k.clone(), v.clone()) for k, v in lora_runner.kv_cache.layers]
+
+    want, want_kv = decode(False)
+    got, got_kv = decode(True)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    for (k, v), (wk, wv) in zip(got_kv, want_kv):
+        assert torch.equal(k, wk) and torch.equal(v, wv)
+    # The adapters matter: the same sequences on the base model differ.
+    lora_runner.adapters.unload(1)
+    lora_runner.adapters.unload(2)
+    try:
+        base, _ = decode(True)
+    finally:
+        lora_runner.adapters.load(1, str(lora_runner.adapters.roots[0] / "all"))
+        lora_runner.adapters.load(2, str(lora_runner.adapters.roots[0] / "qv"))
+    assert torch.equal(base[0], got[0])
+    for i in (1, 2, 3):
+        assert not torch.allclose(base[i], got[i], atol=1e-3)

@@ -14,6 +14,12 @@
 //     x = o(a);  h, res = rms_norm(x, res);  x = down(silu_mul(gate_up(h)))
 //   return rms_norm(x, res)
 //
+// With LoRA adapters (set_lora gives a linear layer the adapter slots'
+// stacks, which it reads in place, so loads and unloads show): a step whose
+// rows use adapters passes their segments, and each adapted linear layer
+// adds its rows' updates with lora_apply_ right after its own matmul, as the
+// Python layers do (cpu_lora.cpp).
+//
 // Only decode steps (one new token per sequence) whose matmuls all run on
 // GGUF blocks come here (the shard's models/llama_cpu_decoder.py builds this
 // and its model runner picks the steps); prefill and larger steps keep the
@@ -37,9 +43,13 @@ struct BlockLinear {
   bool int8 = false;
   std::optional<at::Tensor> bias;
 
+  at::Tensor matmul(const at::Tensor& x) const {
+    return int8 ? sluice_cpu::q8_linear(x, data, format, out_features, 0)
+                : sluice_cpu::exact_linear(x, data, format, out_features, 0);
+  }
+
   at::Tensor operator()(const at::Tensor& x) const {
-    at::Tensor y = int8 ? sluice_cpu::q8_linear(x, data, format, out_features, 0)
-                        : sluice_cpu::exact_linear(x, data, format, out_features, 0);
+    at::Tensor y = matmul(x);
     if (bias.has_value()) y.add_(*bias);
     return y;
   }
@@ -63,10 +73,48 @@ void store_rows(const at::Tensor& rows, const at::Tensor& cache, const int64_t* 
     for (int64_t j = 0; j < row; ++j) dst[slot[t] * row + j] = at::BFloat16(src[t * stride + j]);
 }
 
+// One linear layer's LoRA stacks (sluice_kernels/lora.py has the layout).
+struct LoraStacks {
+  at::Tensor a, b, bounds, ranks;
+};
+
+// A step's adapter segments and the slots' scales; empty: no adapter rows.
+struct LoraStep {
+  std::optional<at::Tensor> starts, ends, slots, scales;
+};
+
 struct Layer {
   at::Tensor input_norm, post_attention_norm;
   BlockLinear qkv, o, gate_up, down;
+  // Per linear layer, in the order qkv, o, gate_up, down.
+  std::optional<LoraStacks> lora[4];
 };
+
+// y += the adapter updates of x's rows (nothing without adapter rows).
+void add_lora(const std::optional<LoraStacks>& stacks, const LoraStep& step, const at::Tensor& x, at::Tensor& y) {
+  if (!stacks.has_value() || !step.starts.has_value()) return;
+  sluice_cpu::lora_apply_(y, x, stacks->a, stacks->b, stacks->bounds, *step.starts, *step.ends, *step.slots,
+                          stacks->ranks, *step.scales);
+}
+
+// A column-parallel layer (qkv, gate_up) in the Python layers' order: matmul,
+// bias, adapters.
+at::Tensor column(const BlockLinear& linear, const std::optional<LoraStacks>& stacks, const LoraStep& step,
+                  const at::Tensor& x) {
+  at::Tensor y = linear(x);
+  add_lora(stacks, step, x, y);
+  return y;
+}
+
+// A row-parallel layer (o, down): the adapters come before the bias (which
+// the Python layer adds after its all-reduce).
+at::Tensor row(const BlockLinear& linear, const std::optional<LoraStacks>& stacks, const LoraStep& step,
+               const at::Tensor& x) {
+  at::Tensor y = linear.matmul(x);
+  add_lora(stacks, step, x, y);
+  if (linear.bias.has_value()) y.add_(*linear.bias);
+  return y;
+}
 
 class LlamaDecoder : public torch::CustomClassHolder {
  public:
@@ -89,12 +137,27 @@ class LlamaDecoder : public torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // LoRA stacks of linear layer `linear` (0 qkv, 1 o, 2 gate_up, 3 down) of
+  // layer `layer`; held by reference (the shard loads adapters in place).
+  void set_lora(int64_t layer, int64_t linear, at::Tensor a, at::Tensor b, at::Tensor bounds, at::Tensor ranks) {
+    TORCH_CHECK(0 <= layer && layer < num_layers() && 0 <= linear && linear < 4, "no linear layer ", linear,
+                " in layer ", layer);
+    layers_[layer].lora[linear] = LoraStacks{std::move(a), std::move(b), std::move(bounds), std::move(ranks)};
+  }
+
   // x: [T, hidden] embeddings of the step's tokens (one per sequence);
   // cos/sin: [T, D/2]; slots [T], block_tables [T, nb], seq_lens [T] int64;
-  // one key and one value cache per layer. Returns the final-norm hidden states.
+  // one key and one value cache per layer; with adapter rows, their
+  // segments (int32 starts, ends, slots) and the slots' scales, else none.
+  // Returns the final-norm hidden states.
   at::Tensor forward(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const std::vector<at::Tensor>& k_caches,
-                     const std::vector<at::Tensor>& v_caches) const {
+                     const std::vector<at::Tensor>& v_caches, std::optional<at::Tensor> lora_starts,
+                     std::optional<at::Tensor> lora_ends, std::optional<at::Tensor> lora_slots,
+                     std::optional<at::Tensor> lora_scales) const {
+    const LoraStep lora{lora_starts, lora_ends, lora_slots, lora_scales};
+    TORCH_CHECK(lora.starts.has_value() == (lora.ends.has_value() && lora.slots.has_value() && lora.scales.has_value()),
+                "LoRA segments come as starts, ends, slots and scales together");
     const int64_t T = x_in.size(0);
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(), "one cache per layer");
     TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T,
@@ -108,7 +171,7 @@ class LlamaDecoder : public torch::CustomClassHolder {
       const Layer& layer = layers_[i];
       auto [h, res] = sluice_cpu::rms_norm(x, residual, layer.input_norm, eps_);
       residual = res;
-      at::Tensor qkv = layer.qkv(h);
+      at::Tensor qkv = column(layer.qkv, layer.lora[0], lora, h);
       at::Tensor q = qkv.narrow(1, 0, hq_ * d_).view({T, hq_, d_});
       at::Tensor k = qkv.narrow(1, hq_ * d_, kv_row).view({T, hkv_, d_});
       at::Tensor v = qkv.narrow(1, (hq_ + hkv_) * d_, kv_row).view({T, hkv_, d_});
@@ -124,10 +187,10 @@ class LlamaDecoder : public torch::CustomClassHolder {
       store_rows(v, vc, slot);
       at::Tensor attn = at::empty({T, hq_, d_}, x.options());
       sluice_cpu::paged_decode_attention(attn, q, kc, vc, block_tables, seq_lens, scale, /*window=*/0);
-      x = layer.o(attn.view({T, hq_ * d_}));
+      x = row(layer.o, layer.lora[1], lora, attn.view({T, hq_ * d_}));
       auto [h2, res2] = sluice_cpu::rms_norm(x, residual, layer.post_attention_norm, eps_);
       residual = res2;
-      x = layer.down(sluice_cpu::silu_mul(layer.gate_up(h2)));
+      x = row(layer.down, layer.lora[3], lora, sluice_cpu::silu_mul(column(layer.gate_up, layer.lora[2], lora, h2)));
     }
     return std::get<0>(sluice_cpu::rms_norm(x, residual, final_norm_, eps_));
   }
@@ -146,5 +209,6 @@ TORCH_LIBRARY_FRAGMENT(sluice_cpu, m) {
       .def(torch::init<int64_t, int64_t, int64_t, double, at::Tensor>())
       .def("add_layer", &LlamaDecoder::add_layer)
       .def("num_layers", &LlamaDecoder::num_layers)
+      .def("set_lora", &LlamaDecoder::set_lora)
       .def("forward", &LlamaDecoder::forward);
 }

@@ -22,5 +22,8 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t form
 at::Tensor exact_linear(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t N, int64_t isa_code);
 at::Tensor grouped_block_linear(const at::Tensor& x, const std::vector<int64_t>& offsets, const at::Tensor& packed,
                                 int64_t format, int64_t N, bool int8, int64_t isa_code);
+void lora_apply_(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
+                 const at::Tensor& bounds, const at::Tensor& seg_starts, const at::Tensor& seg_ends,
+                 const at::Tensor& seg_slots, const at::Tensor& ranks, const at::Tensor& scales);
 
 }  // namespace sluice_cpu

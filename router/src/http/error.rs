@@ -14,7 +14,7 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 use crate::batch::BatchError;
-use crate::infer::InferError;
+use crate::infer::{AdapterError, InferError};
 use crate::validation::ValidationError;
 
 /// Everything a handler can fail with.
@@ -24,6 +24,9 @@ pub enum ApiError {
     Validation(#[from] ValidationError),
     #[error(transparent)]
     Infer(#[from] InferError),
+    /// Loading or unloading a LoRA adapter failed.
+    #[error(transparent)]
+    Adapter(#[from] AdapterError),
     #[error("the request body is larger than the server's limit of {limit} bytes (--payload-limit)")]
     PayloadTooLarge { limit: usize },
     /// The body stopped arriving for longer than `--body-timeout`.
@@ -49,7 +52,7 @@ const RETRY_AFTER_SECS: &str = "1";
 impl ApiError {
     pub(crate) fn openai_status(&self) -> StatusCode {
         match self {
-            Self::Validation(ValidationError::ModelNotFound(_)) => StatusCode::NOT_FOUND,
+            Self::Validation(ValidationError::ModelNotFound { .. }) => StatusCode::NOT_FOUND,
             Self::Validation(ValidationError::Tokenizer(_)) => StatusCode::INTERNAL_SERVER_ERROR,
             Self::Validation(_) | Self::Infer(InferError::Unschedulable(_)) => StatusCode::BAD_REQUEST,
             other => other.common_status(),
@@ -58,7 +61,7 @@ impl ApiError {
 
     fn tgi_status(&self) -> StatusCode {
         match self {
-            Self::Validation(ValidationError::ModelNotFound(_)) => StatusCode::NOT_FOUND,
+            Self::Validation(ValidationError::ModelNotFound { .. }) => StatusCode::NOT_FOUND,
             Self::Validation(ValidationError::Tokenizer(_)) => StatusCode::INTERNAL_SERVER_ERROR,
             Self::Validation(_) | Self::Infer(InferError::Unschedulable(_)) => StatusCode::UNPROCESSABLE_ENTITY,
             // TGI answers a failed generation with 424.
@@ -85,13 +88,18 @@ impl ApiError {
             Self::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
+            Self::Infer(InferError::UnknownAdapter(_)) | Self::Adapter(AdapterError::Unknown { .. }) => {
+                StatusCode::NOT_FOUND
+            }
+            Self::Adapter(AdapterError::Shard { .. }) => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::Adapter(_) => StatusCode::BAD_REQUEST,
             Self::NotFound { .. } => StatusCode::NOT_FOUND,
         }
     }
 
     fn anthropic_status(&self) -> StatusCode {
         match self {
-            Self::Validation(ValidationError::ModelNotFound(_)) => StatusCode::NOT_FOUND,
+            Self::Validation(ValidationError::ModelNotFound { .. }) => StatusCode::NOT_FOUND,
             Self::Validation(ValidationError::Tokenizer(_)) => StatusCode::INTERNAL_SERVER_ERROR,
             Self::Validation(_) | Self::Infer(InferError::Unschedulable(_)) => StatusCode::BAD_REQUEST,
             other => other.common_status(),
@@ -114,7 +122,11 @@ impl ApiError {
     /// OpenAI's (type, code) for this error.
     fn openai_kind(&self) -> (&'static str, Option<&'static str>) {
         match self {
-            Self::Validation(ValidationError::ModelNotFound(_)) => ("invalid_request_error", Some("model_not_found")),
+            Self::Validation(ValidationError::ModelNotFound { .. })
+            | Self::Infer(InferError::UnknownAdapter(_))
+            | Self::Adapter(AdapterError::Unknown { .. }) => ("invalid_request_error", Some("model_not_found")),
+            Self::Adapter(AdapterError::Shard { .. }) => ("server_error", None),
+            Self::Adapter(_) => ("invalid_request_error", None),
             Self::Validation(ValidationError::Tokenizer(_)) => ("server_error", None),
             Self::Validation(_) | Self::Infer(InferError::Unschedulable(_)) => ("invalid_request_error", None),
             Self::PayloadTooLarge { .. } => ("invalid_request_error", Some("payload_too_large")),
@@ -148,6 +160,7 @@ impl ApiError {
             Self::Batch(BatchError::Store(_)) => "generation",
             Self::Batch(_) => "validation",
             Self::NotFound { .. } => "not_found",
+            Self::Infer(InferError::UnknownAdapter(_)) | Self::Adapter(_) => "validation",
         }
     }
 
@@ -156,6 +169,9 @@ impl ApiError {
         let param = match self {
             Self::Validation(e) => e.param().map(str::to_string),
             Self::NotFound { param, .. } => param.clone(),
+            Self::Adapter(AdapterError::Invalid { field, .. }) => Some(field.to_string()),
+            Self::Adapter(AdapterError::Unknown { .. }) => Some("lora_name".into()),
+            Self::Infer(InferError::UnknownAdapter(_)) => Some("model".into()),
             _ => None,
         };
         OpenAiErrorBody {
@@ -506,7 +522,7 @@ mod tests {
         assert_eq!(restarting.openai_status(), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(restarting.openai_body().error.code.as_deref(), Some("server_restarting"));
         assert_eq!(restarting.tgi_body().error_type, "unhealthy");
-        let missing = ApiError::Validation(ValidationError::ModelNotFound("x".into()));
+        let missing = ApiError::Validation(ValidationError::ModelNotFound { name: "x".into(), known: vec!["`m`".into()] });
         assert_eq!(missing.openai_status(), StatusCode::NOT_FOUND);
         assert_eq!(missing.openai_body().error.code.as_deref(), Some("model_not_found"));
     }

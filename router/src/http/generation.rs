@@ -323,6 +323,9 @@ pub struct Choices {
     /// count is the prompt's).
     first_of_prompt: Vec<bool>,
     prompt_tokens: u32,
+    /// With adapters on: the request's LoRA adapter (`""`: the base model),
+    /// whose usage series count it.
+    adapter_label: Option<String>,
 }
 
 impl Choices {
@@ -338,16 +341,20 @@ impl Choices {
             for j in 0..prompt.n {
                 let mut request = prompt.request.clone();
                 request.params.seed = prompt.request.params.seed.wrapping_add(u64::from(j));
-                let span = generation_span(state.served_model_name(), &request);
+                let span = generation_span(request.adapter.as_deref().unwrap_or(state.served_model_name()), &request);
                 shapes.push((request.arrived, prompt.stop.clone(), span.clone(), j == 0));
                 requests.push((request, span));
             }
         }
+        let adapter_label = state.info.lora.as_ref().map(|_| {
+            requests.first().and_then(|(r, _)| r.adapter.clone()).unwrap_or_default()
+        });
         let streams = state.infer.generate_all(requests).await?;
         let mut choices = Self {
             generations: Vec::with_capacity(count),
             first_of_prompt: Vec::with_capacity(count),
             prompt_tokens,
+            adapter_label,
         };
         for (stream, (arrived, stop, span, first)) in streams.into_iter().zip(shapes) {
             let generation = Generation::new(stream, state.validation.tokenizer.clone(), stop, arrived);
@@ -360,6 +367,7 @@ impl Choices {
     /// Runs every choice to its end (buffered responses); counts the request
     /// as a success in `record`.
     pub async fn collect(self, record: &mut RequestRecord) -> Result<(Vec<Collected>, TokenUsage), ApiError> {
+        record.adapter_label = self.adapter_label;
         let mut usage = TokenUsage { prompt_tokens: self.prompt_tokens, ..Default::default() };
         let results = futures::future::try_join_all(self.generations.into_iter().map(Generation::collect)).await?;
         for (result, first) in results.iter().zip(&self.first_of_prompt) {
@@ -375,6 +383,7 @@ impl Choices {
     /// Streams every choice's events, merged as they come, through `shape`
     /// into an SSE response; `record` counts the request when the stream ends.
     pub fn sse(self, mut shape: impl StreamShape, mut record: RequestRecord) -> Response {
+        record.adapter_label = self.adapter_label;
         let mut usage = TokenUsage { prompt_tokens: self.prompt_tokens, ..Default::default() };
         let first_of_prompt = self.first_of_prompt;
         let mut merged = futures::stream::select_all(
@@ -486,7 +495,9 @@ pub trait StreamShape: Send + 'static {
     fn fail(&mut self, error: &ApiError) -> Vec<Event>;
 }
 
-/// The span of one generated sequence, with the GenAI request attributes.
+/// The span of one generated sequence, with the GenAI request attributes;
+/// `model` is the LoRA adapter the request named, if any (then also
+/// `sluice.lora_adapter`), else the base model.
 /// Usage and outcome attributes are added by its [`Generation`] as events
 /// arrive (see telemetry.rs for the span tree).
 pub fn generation_span(model: &str, request: &ValidRequest) -> tracing::Span {
@@ -499,6 +510,9 @@ pub fn generation_span(model: &str, request: &ValidRequest) -> tracing::Span {
         span.set_attribute("gen_ai.request.top_p", f64::from(request.params.top_p));
         span.set_attribute("gen_ai.request.seed", request.params.seed as i64);
         span.set_attribute("gen_ai.usage.input_tokens", request.input_ids.len() as i64);
+        if let Some(adapter) = &request.adapter {
+            span.set_attribute("sluice.lora_adapter", adapter.clone());
+        }
     }
     span
 }
@@ -513,6 +527,9 @@ pub struct RequestRecord {
     generated_tokens: u32,
     /// False for the inert record `take` leaves behind: it counts nothing.
     armed: bool,
+    /// With adapters on: the LoRA adapter whose usage series count the
+    /// request (`""`: the base model), set once it was submitted.
+    adapter_label: Option<String>,
 }
 
 impl RequestRecord {
@@ -524,6 +541,7 @@ impl RequestRecord {
             prompt_tokens: 0,
             generated_tokens: 0,
             armed: true,
+            adapter_label: None,
         }
     }
 
@@ -548,6 +566,7 @@ impl RequestRecord {
             prompt_tokens: 0,
             generated_tokens: 0,
             armed: false,
+            adapter_label: None,
         };
         std::mem::replace(self, inert)
     }
@@ -575,7 +594,8 @@ impl RequestRecord {
             | ApiError::NotFound { .. } => "invalid",
             ApiError::Infer(InferError::Overloaded(_)) => "overloaded",
             ApiError::Infer(InferError::ShuttingDown | InferError::Unavailable(_)) | ApiError::Draining => "unavailable",
-            ApiError::Infer(InferError::Unschedulable(_)) => "invalid",
+            ApiError::Infer(InferError::Unschedulable(_) | InferError::UnknownAdapter(_)) => "invalid",
+            ApiError::Adapter(_) => "invalid",
             ApiError::Infer(InferError::Generation(_)) => "error",
             ApiError::Batch(BatchError::Store(_)) => "error",
             ApiError::Batch(_) => "invalid",
@@ -591,6 +611,9 @@ impl Drop for RequestRecord {
         metrics::request_finished(self.endpoint, self.outcome, self.start.elapsed());
         if self.outcome == "success" {
             metrics::tokens(self.prompt_tokens, self.generated_tokens);
+            if let Some(adapter) = &self.adapter_label {
+                metrics::adapter_usage(adapter, self.prompt_tokens, self.generated_tokens);
+            }
         }
     }
 }

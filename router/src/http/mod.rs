@@ -6,6 +6,7 @@
 //! - `responses`  - OpenAI's Responses API (create, stream, store, GET/DELETE/cancel).
 //! - `anthropic`  - Anthropic's Messages API (`/v1/messages`, `count_tokens`).
 //! - `tgi`        - TGI's endpoints and wire types.
+//! - `lora`       - loading and unloading LoRA adapters (vLLM's endpoints).
 //! - `generation` - the generation driver every API hands validated requests
 //!   to: submission, `n` choices, collected or streamed results, usage.
 //! - `answer`     - reads a choice's text into reasoning, content and tool
@@ -19,6 +20,7 @@ pub mod answer;
 pub mod anthropic;
 pub mod error;
 pub mod generation;
+pub mod lora;
 pub mod openai;
 pub mod responses;
 pub mod serve;
@@ -29,7 +31,7 @@ pub mod webui;
 #[cfg(test)]
 mod tests;
 
-pub use state::{AppState, Info, SpeculationInfo};
+pub use state::{AppState, Info, LoraInfo, SpeculationInfo};
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -99,6 +101,8 @@ pub fn app(state: Arc<AppState>, options: &HttpOptions) -> Router {
         .route("/v1/responses/{id}", get(responses::retrieve).delete(responses::delete))
         .route("/v1/responses/{id}/cancel", post(responses::cancel))
         .route("/v1/models", get(openai::models))
+        .route("/v1/load_lora_adapter", post(lora::load_lora_adapter))
+        .route("/v1/unload_lora_adapter", post(lora::unload_lora_adapter))
         .route("/info", get(info))
         .route("/openapi.json", get(openapi))
         .layer(middleware::from_fn_with_state(state.clone(), require_api_key))
@@ -452,6 +456,7 @@ fn detokenize_body(state: &AppState, body: &[u8]) -> Result<DetokenizeResponse, 
         responses::create, responses::retrieve, responses::delete, responses::cancel,
         anthropic::messages, anthropic::count_tokens,
         detokenize,
+        lora::load_lora_adapter, lora::unload_lora_adapter,
     )
 )]
 pub struct ApiDoc;

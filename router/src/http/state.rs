@@ -60,6 +60,20 @@ pub struct Info {
     /// How the model's thinking is split off (`--reasoning-parser`); null
     /// when it is not a reasoning model.
     pub reasoning_parser: Option<String>,
+    /// LoRA adapter settings; null when adapters are off.
+    pub lora: Option<LoraInfo>,
+}
+
+/// `/info`'s view of the LoRA adapter settings.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct LoraInfo {
+    /// Adapters the shards hold at once (`--max-loras`); others are loaded on
+    /// demand into the least recently used slot.
+    pub max_loras: u32,
+    /// The highest adapter rank (`--max-lora-rank`).
+    pub max_lora_rank: u32,
+    /// Bytes the adapter slots take on each shard.
+    pub lora_bytes: u64,
 }
 
 /// `/info`'s view of `--speculate` and its settings.

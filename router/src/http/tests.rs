@@ -73,8 +73,10 @@ fn build_with_shard(setup: Setup) -> (Router, Arc<AppState>, FakeShardHandle) {
         panic_at_step: None,
         speculation: None,
         batch_min_share: 0.1,
+        hourly_cost: setup.hourly_cost,
     };
     let info = ShardInfo {
+        max_loras: fake.max_loras,
         model_type: "llama".into(),
         dtype: "float32".into(),
         device_type: "cpu".into(),
@@ -88,9 +90,11 @@ fn build_with_shard(setup: Setup) -> (Router, Arc<AppState>, FakeShardHandle) {
         total_parameters: 1000,
         active_parameters: 400,
     };
+    let max_loras = fake.max_loras;
     let (shard, handle) = FakeShard::new(fake);
     let infer = spawn(shard, config, info);
     let mut validation = crate::validation::tests::validation();
+    validation.adapters = infer.adapters.clone();
     if let Some(limits) = setup.limits {
         validation.limits = limits;
     }
@@ -130,6 +134,7 @@ fn build_with_shard(setup: Setup) -> (Router, Arc<AppState>, FakeShardHandle) {
             speculation: None,
             batch_min_share: 0.1,
             reasoning_parser: None,
+            lora: (max_loras > 0).then_some(super::LoraInfo { max_loras, max_lora_rank: 16, lora_bytes: 1024 }),
         },
         metrics: crate::metrics::install(),
         draining: Arc::new(AtomicBool::new(false)),
@@ -170,6 +175,7 @@ async fn post(app: &Router, path: &str, body: Value) -> (StatusCode, Value) {
 }
 
 mod apis;
+mod lora;
 mod structured;
 mod webui;
 
@@ -647,7 +653,10 @@ async fn info_models_tokenize_metrics_and_openapi() {
     let (status, _, metrics) = call(&app, "GET", "/metrics", None).await;
     assert_eq!(status, StatusCode::OK);
     assert!(metrics.contains("sluice_requests_total"), "{metrics}");
-    assert!(!metrics.contains("dollars"), "no price, no cost gauges");
+    // The recorder is the process's: other tests' per-adapter spending
+    // (sluice_lora_spent_dollars, set with a price) may show in it.
+    let priced = metrics.lines().filter(|l| l.contains("dollars") && !l.contains("sluice_lora_spent_dollars"));
+    assert_eq!(priced.count(), 0, "no price, no cost gauges");
     let (status, _, doc) = call(&app, "GET", "/openapi.json", None).await;
     assert_eq!(status, StatusCode::OK);
     let doc: Value = serde_json::from_str(&doc).unwrap();

@@ -60,6 +60,8 @@ pub struct TgiParameters {
     /// Scheduling priority, lower runs first (default 0; a Sluice extra,
     /// as vLLM's `priority`).
     pub priority: Option<i32>,
+    /// The LoRA adapter to generate with (its name); none: the base model.
+    pub adapter_id: Option<String>,
 }
 
 /// TGI's `parameters.grammar`.
@@ -188,6 +190,7 @@ fn logprob(value: f32) -> Option<f32> {
 /// Maps a TGI body to the router's parameters and validates it.
 fn validate(state: &AppState, request: &TgiRequest, stream: bool) -> Result<Validated, ApiError> {
     let p = &request.parameters;
+    let adapter = state.validation.check_model(p.adapter_id.as_deref())?;
     let params = GenerateParameters {
         max_new_tokens: p.max_new_tokens,
         max_new_tokens_field: "max_new_tokens",
@@ -210,6 +213,7 @@ fn validate(state: &AppState, request: &TgiRequest, stream: bool) -> Result<Vali
         prompt_logprobs: p.decoder_input_details,
         truncate: p.truncate,
         priority: p.priority.unwrap_or(0),
+        adapter,
         ..Default::default()
     };
     let prompt = Prompt::Text(request.inputs.clone());

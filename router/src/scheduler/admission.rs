@@ -24,10 +24,20 @@
 //! ```
 //!
 //! So at most `(len - 1) / block_size` blocks are reused.
+//!
+//! A request for a LoRA adapter waits until its adapter is in a slot
+//! (adapter_work.rs loads it before the step is built, in admission order:
+//! interactive requests' adapters before batch lines'); the blocks it may
+//! reuse are those its adapter computed (its prefix-cache namespace). Slots
+//! that running requests use cannot be reloaded, so steady traffic on loaded
+//! adapters could keep another adapter out forever: once a request (of
+//! either class) waiting for an adapter not in a slot has been passed over
+//! `MAX_PASSED_OVER` times, no other adapter request is admitted until it is
+//! (base-model requests still are), and the running ones drain their slots.
 
 use std::time::Instant;
 
-use super::queue::admission_order;
+use super::queue::{admission_order, MAX_PASSED_OVER};
 use super::request::Request;
 use super::share::BatchFloor;
 use super::step::{Planned, StepPlan};
@@ -41,6 +51,8 @@ impl Scheduler {
         }
         let order = admission_order(self.waiting.iter(), &self.kv);
         let floor = self.batch_floor();
+        let loaded = |adapters: &super::Adapters, r: &Request| r.adapter.is_none_or(|a| adapters.slot_of(a).is_some());
+        let starving = self.waiting.iter().any(|r| r.passed_over >= MAX_PASSED_OVER && !loaded(&self.adapters, r));
         // Per class: the youngest request admitted (fairness bookkeeping).
         let mut latest_admitted: [Option<u64>; 2] = [None; 2];
         let mut looked_up = TokenCounts::default();
@@ -52,6 +64,10 @@ impl Scheduler {
             }
             let index = self.waiting.iter().position(|r| r.id == id).expect("ranked from waiting");
             let class = self.waiting[index].class();
+            let adapter = self.waiting[index].adapter;
+            if !loaded(&self.adapters, &self.waiting[index]) || (starving && adapter.is_some()) {
+                continue; // its adapter is not loaded yet, or another must get a slot first
+            }
             if class == RequestClass::Interactive && blocked {
                 continue;
             }
@@ -93,6 +109,9 @@ impl Scheduler {
             r.admitted = self.next_admission;
             self.next_admission += 1;
             r.resumed = false;
+            if let Some(adapter) = adapter {
+                self.adapters.touch(adapter);
+            }
             tracing::debug!(id, cached = r.num_computed_tokens, num_new_tokens, ?class, "admitted");
             *budget -= num_new_tokens;
             plan.entries.push(Planned { id, num_new_tokens, is_new: true, first_new_block: 0, draft: Vec::new() });
@@ -166,7 +185,8 @@ impl Scheduler {
     fn first_chunk(&mut self, r: &mut Request, allowed: usize) -> usize {
         let bs = self.config.block_size as usize;
         let reusable = if r.wants_prompt_logprobs() { 0 } else { (r.tokens.len() - 1) / bs };
-        self.kv.acquire_prefix(&mut r.blocks, &r.tokens, reusable);
+        let namespace = r.namespace();
+        self.kv.acquire_prefix(&mut r.blocks, namespace, &r.tokens, reusable);
         r.num_computed_tokens = r.blocks.len() * bs;
         let want = r.remaining().min(allowed);
         let needed = self.blocks_for(r.num_computed_tokens + want) - r.blocks.len();

@@ -40,12 +40,33 @@ impl Scheduler {
         self.stats.last_step_finished = Some(Instant::now());
         self.stats.evicted_blocks = self.kv.evicted;
         crate::metrics::step_finished(elapsed, plan.entries.len(), plan.tokens());
+        self.share_step_cost(&plan, elapsed);
         match result {
             Ok(response) => self.apply_response(plan, response, elapsed),
             Err(error) => self.fail_step(plan, error),
         }
         self.publish_occupancy();
         self.notify_drained();
+    }
+
+    /// With adapters on and `--hourly-cost` set: the step's cost, shared out
+    /// to the adapters of its requests by the tokens each computed.
+    fn share_step_cost(&self, plan: &StepPlan, elapsed: std::time::Duration) {
+        let Some(hourly) = self.config.hourly_cost.filter(|_| self.adapters.enabled()) else { return };
+        let tokens = plan.tokens();
+        if tokens == 0 {
+            return;
+        }
+        let per_token = hourly / 3600.0 * elapsed.as_secs_f64() / tokens as f64;
+        let mut by_adapter: HashMap<&str, usize> = HashMap::new();
+        for entry in &plan.entries {
+            let Some(index) = self.position(entry.id) else { continue };
+            let name = self.running[index].adapter.map_or("", |a| self.adapters.name(a));
+            *by_adapter.entry(name).or_default() += entry.query_len();
+        }
+        for (name, tokens) in by_adapter {
+            crate::metrics::adapter_cost(name, per_token * tokens as f64);
+        }
     }
 
     /// The whole step failed: every request in it fails (the client reads
@@ -125,7 +146,7 @@ impl Scheduler {
     fn cache_filled(&mut self, index: usize, filled_before: usize) {
         let r = &self.running[index];
         if r.num_computed_tokens / self.config.block_size as usize > filled_before {
-            self.kv.cache_full_blocks(&r.blocks, r.computed_tokens());
+            self.kv.cache_full_blocks(&r.blocks, r.namespace(), r.computed_tokens());
         }
     }
 

@@ -20,7 +20,7 @@ use std::ops::Deref;
 use std::sync::{Arc, Mutex};
 
 use super::blocks::{BlockAllocator, BlockId};
-use super::radix::RadixTree;
+use super::radix::{Namespace, RadixTree};
 
 /// Blocks given back by dropped or cleared tables, not yet released.
 type Returns = Arc<Mutex<Vec<BlockId>>>;
@@ -126,17 +126,18 @@ impl KvCache {
         self.tree.as_ref().is_some_and(|t| t.contains_block(block))
     }
 
-    /// Cached full blocks of `tokens`, without touching LRU times.
-    pub fn peek_cached_blocks(&self, tokens: &[u32]) -> usize {
-        self.tree.as_ref().map_or(0, |t| t.peek_match_len(tokens))
+    /// Cached full blocks of `tokens` (computed in `namespace`: the base
+    /// model's or an adapter's), without touching LRU times.
+    pub fn peek_cached_blocks(&self, namespace: Namespace, tokens: &[u32]) -> usize {
+        self.tree.as_ref().map_or(0, |t| t.peek_match_len(namespace, tokens))
     }
 
     /// Appends to the (empty) `table` the cached blocks of `tokens`' longest
-    /// block-aligned prefix, at most `max_blocks` of them.
-    pub fn acquire_prefix(&mut self, table: &mut BlockTable, tokens: &[u32], max_blocks: usize) {
+    /// block-aligned prefix in `namespace`, at most `max_blocks` of them.
+    pub fn acquire_prefix(&mut self, table: &mut BlockTable, namespace: Namespace, tokens: &[u32], max_blocks: usize) {
         self.reclaim();
         let Some(tree) = self.tree.as_mut().filter(|_| max_blocks > 0) else { return };
-        let mut blocks = tree.match_prefix(tokens);
+        let mut blocks = tree.match_prefix(namespace, tokens);
         blocks.truncate(max_blocks);
         for &b in &blocks {
             self.alloc.retain(b);
@@ -170,14 +171,15 @@ impl KvCache {
     }
 
     /// Caches the full blocks among a running request's computed tokens
-    /// (`tokens`: the tokens whose KV is in `blocks`). The request keeps its
-    /// references; the tree adds its own. A block whose tokens the tree
-    /// already holds under another block stays the request's alone.
-    pub fn cache_full_blocks(&mut self, blocks: &[BlockId], tokens: &[u32]) {
+    /// (`tokens`: the tokens whose KV is in `blocks`, computed in
+    /// `namespace`). The request keeps its references; the tree adds its
+    /// own. A block whose tokens the tree already holds under another block
+    /// stays the request's alone.
+    pub fn cache_full_blocks(&mut self, blocks: &[BlockId], namespace: Namespace, tokens: &[u32]) {
         self.reclaim();
         if let Some(tree) = self.tree.as_mut() {
             let full = (tokens.len() / self.block_size).min(blocks.len());
-            tree.insert(&tokens[..full * self.block_size], &blocks[..full], &mut self.alloc);
+            tree.insert(namespace, &tokens[..full * self.block_size], &blocks[..full], &mut self.alloc);
         }
     }
 

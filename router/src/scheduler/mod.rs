@@ -24,6 +24,13 @@
 //! A `Stats` snapshot carries the token counts of recent traffic
 //! (`window.rs`), from which /metrics derives its window gauges.
 //!
+//! LoRA adapters: the scheduler also owns the adapter registry and the
+//! shards' adapter slots (`adapters.rs`). Before building a step it loads
+//! what the next step needs and empties what nobody needs
+//! (`adapter_work.rs`); admission takes a request only once its adapter is
+//! in a slot, and a slot that running requests use never changes. Each
+//! adapter has its own prefix-cache namespace (radix.rs).
+//!
 //! Invariants of [`Scheduler`], asserted after every step in debug builds
 //! (`check_invariants`):
 //! - a block is free, or referenced by running requests and/or the tree, and
@@ -34,9 +41,13 @@
 //!   it alone and are not in the tree;
 //! - a running request's blocks cover its computed tokens, and at least one
 //!   of its tokens is not computed yet (the one to compute next);
-//! - at most `max_batch_size` requests run.
+//! - at most `max_batch_size` requests run;
+//! - every running request's adapter is in a slot (and the registry's own
+//!   invariants, `Adapters::check_invariants`);
 //! - when no request is running or waiting, free + cached = total.
 
+mod adapter_work;
+mod adapters;
 mod admission;
 mod apply;
 pub mod blocks;
@@ -52,7 +63,7 @@ mod step;
 mod trace;
 mod window;
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -63,6 +74,7 @@ use crate::infer::{Command, Entry, Infer, InferError, RequestClass, SchedulerFai
 
 pub use speculation::SpeculationConfig;
 
+use adapters::{Adapters, PendingLoad};
 use kv::KvCache;
 use request::Request;
 use window::TokenWindow;
@@ -96,6 +108,9 @@ pub struct SchedulerConfig {
     /// Fraction of the running slots and step budget batch lines may
     /// always use while pending (`--batch-min-share`, in [0, 1); share.rs).
     pub batch_min_share: f64,
+    /// Dollars per hour (`--hourly-cost`): each step's cost is shared out
+    /// to the adapters (and the base model) of its requests in /metrics.
+    pub hourly_cost: Option<f64>,
 }
 
 /// How long one Step RPC may take. Past it the scheduler fails every request
@@ -138,7 +153,8 @@ impl Default for StepDeadline {
 /// it fails ([`Infer::failed`] then resolves).
 pub fn spawn<S: Shard>(shard: S, config: SchedulerConfig, info: ShardInfo) -> Infer {
     let (commands, receiver) = mpsc::channel(1024);
-    let mut scheduler = Scheduler::new(config);
+    let mut scheduler = Scheduler::new(config, info.max_loras);
+    let adapters = scheduler.adapters.catalog();
     // The queue and KV gauges exist from the first scrape (an endpoint
     // picker reads them before any request arrives).
     scheduler.publish_occupancy();
@@ -154,7 +170,7 @@ pub fn spawn<S: Shard>(shard: S, config: SchedulerConfig, info: ShardInfo) -> In
         tracing::error!("{failure}");
         let _ = failure_tx.send(Some(failure));
     });
-    Infer { commands, info: Arc::new(info), failure }
+    Infer { commands, info: Arc::new(info), failure, adapters }
 }
 
 fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
@@ -173,6 +189,10 @@ async fn run<S: Shard>(
     loop {
         while let Ok(command) = commands.try_recv() {
             scheduler.handle(command);
+        }
+        if let Err(failure) = scheduler.adapter_work(&mut shard).await {
+            scheduler.fail_all(&failure);
+            return Err(failure);
         }
         let plan = scheduler.build_step();
         if plan.is_empty() {
@@ -238,10 +258,14 @@ pub(crate) struct Scheduler {
     stats: SchedulerStats,
     /// Recent token counts (window.rs), reported with every snapshot.
     window: TokenWindow,
+    /// LoRA adapters: the registry and the slots.
+    adapters: Adapters,
+    /// Load commands for the next point between steps (adapter_work.rs).
+    pending_loads: VecDeque<PendingLoad>,
 }
 
 impl Scheduler {
-    fn new(mut config: SchedulerConfig) -> Self {
+    fn new(mut config: SchedulerConfig, max_loras: u32) -> Self {
         assert!(config.block_size > 0 && config.max_batch_prefill_tokens > 0 && config.max_batch_size > 0);
         // max_batch_total_tokens caps the blocks in use (0: no cap).
         if config.max_batch_total_tokens > 0 {
@@ -262,6 +286,8 @@ impl Scheduler {
             drained: Vec::new(),
             stats,
             window,
+            adapters: Adapters::new(max_loras),
+            pending_loads: VecDeque::new(),
         }
     }
 
@@ -283,6 +309,22 @@ impl Scheduler {
             Command::Drain(reply) => {
                 self.draining = true;
                 self.drained.push(reply);
+            }
+            Command::LoadAdapter { name, path, reply } if self.adapters.enabled() => {
+                self.pending_loads.push_back(PendingLoad { name, path, reply });
+            }
+            Command::UnloadAdapter { name, reply } if self.adapters.enabled() => {
+                let result = self.adapters.unregister(&name);
+                if result.is_ok() {
+                    tracing::info!(adapter = name, "adapter unloaded (its running requests finish with it)");
+                }
+                let _ = reply.send(result);
+            }
+            Command::LoadAdapter { reply, .. } => {
+                let _ = reply.send(Err(crate::infer::AdapterError::Disabled));
+            }
+            Command::UnloadAdapter { reply, .. } => {
+                let _ = reply.send(Err(crate::infer::AdapterError::Disabled));
             }
         }
         self.notify_drained();
@@ -310,13 +352,16 @@ impl Scheduler {
                 "the server is at its limit of concurrent requests; retry shortly".into(),
             ));
         }
+        let mut adapters = Vec::with_capacity(entries.len());
         for entry in &entries {
             self.check_schedulable(entry)?;
+            let adapter = entry.request.adapter.as_deref().map(|name| self.adapters.resolve(name));
+            adapters.push(adapter.transpose().map_err(InferError::UnknownAdapter)?);
         }
-        for entry in entries {
+        for (entry, adapter) in entries.into_iter().zip(adapters) {
             let id = self.next_id;
             self.next_id += 1;
-            self.waiting.push_back(Request::new(id, entry, self.kv.new_table()));
+            self.waiting.push_back(Request::new(id, entry, self.kv.new_table(), adapter));
         }
         self.publish_occupancy();
         Ok(())
@@ -370,6 +415,7 @@ impl Scheduler {
             blocks_free: self.kv.num_free(),
             blocks_cached: self.kv.num_cached(),
             window: self.window.totals(Instant::now()),
+            adapters: self.adapters.stats(),
             ..self.stats.clone()
         }
     }
@@ -385,6 +431,10 @@ impl Scheduler {
             blocks_cached: self.kv.num_cached(),
             tree_blocks: self.kv.tree_blocks(),
         });
+        if self.adapters.enabled() {
+            let active: HashSet<u32> = self.adapters.slots_of(self.running.iter().filter_map(|r| r.adapter)).collect();
+            crate::metrics::adapter_occupancy(&self.adapters.stats(), active.len());
+        }
     }
 
     fn position(&self, id: u64) -> Option<usize> {
@@ -408,7 +458,11 @@ impl Scheduler {
                 assert_eq!(self.kv.ref_count(b), 1, "block {b} written by request {} is shared", r.id);
                 assert!(!self.kv.is_cached(b), "block {b} written by request {} is in the tree", r.id);
             }
+            if let Some(adapter) = r.adapter {
+                assert!(self.adapters.slot_of(adapter).is_some(), "request {} runs without its adapter in a slot", r.id);
+            }
         }
+        self.adapters.check_invariants(&self.adapters_in_use());
         self.kv.check_invariants(self.running.iter().map(|r| &r.blocks[..]));
         if self.is_idle() {
             assert_eq!(

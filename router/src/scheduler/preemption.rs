@@ -94,7 +94,7 @@ impl Scheduler {
             self.finished.push(r.id);
         }
         // Its full blocks stay cached, so resuming is mostly a cache hit.
-        self.kv.cache_full_blocks(&r.blocks, r.computed_tokens());
+        self.kv.cache_full_blocks(&r.blocks, r.namespace(), r.computed_tokens());
         r.blocks.clear();
         r.num_computed_tokens = 0;
         r.on_shard = false;

@@ -41,7 +41,7 @@ pub(crate) fn admission_order<'a>(waiting: impl Iterator<Item = &'a Request>, kv
             } else {
                 2
             };
-            let cached = if rank == 2 && !r.wants_prompt_logprobs() { kv.peek_cached_blocks(&r.tokens) } else { 0 };
+            let cached = if rank == 2 && !r.wants_prompt_logprobs() { kv.peek_cached_blocks(r.namespace(), &r.tokens) } else { 0 };
             ((r.class(), r.request.priority, rank, Reverse(cached)), r.id)
         })
         .collect();

@@ -17,13 +17,25 @@
 //! One block per edge (rather than splitting long edges) keeps eviction at
 //! the unit the allocator hands out, and a lookup is one hash probe per block.
 //!
+//! KV depends on the weights that computed it, so every LoRA adapter has its
+//! own tree: a namespace, whose root hangs nowhere. The base model is
+//! namespace 0 (the root above); an adapter's root exists while it has
+//! children. The same tokens under two namespaces are two nodes, two blocks:
+//!
+//! ```text
+//!   ns 0 (base):  root ──[t0..t15]──► n1 (block 7)
+//!   ns 4:         root4 ──[t0..t15]──► n5 (block 2)     same tokens, other KV
+//! ```
+//!
 //! The tree holds one reference (in [`BlockAllocator`]) on each of its
 //! blocks. A block whose only reference is the tree's is "cached": it can be
 //! evicted, leaves first, least recently used first.
 //!
 //! Invariants (checked by [`RadixTree::check_invariants`]):
-//! - every live node but the root has exactly `block_size` tokens, and is
+//! - every live node but the roots has exactly `block_size` tokens, and is
 //!   listed in its parent's children under those tokens;
+//! - a namespace's root is listed in `roots`, holds no block, and (but the
+//!   base's) has at least one child;
 //! - a block belongs to at most one node, and `by_block` maps it there;
 //! - every block in the tree has ref count >= 1.
 
@@ -31,16 +43,24 @@ use std::collections::HashMap;
 
 use super::blocks::{BlockAllocator, BlockId};
 
+/// The base model's root.
 const ROOT: usize = 0;
+
+/// Whose weights computed a tree's KV: 0 for the base model, else the
+/// adapter's id (see scheduler/adapters.rs).
+pub type Namespace = u64;
 
 #[derive(Debug, Clone)]
 struct Node {
     tokens: Vec<u32>,
-    /// Unused for the root.
+    /// Unused for a root.
     block: BlockId,
+    /// A root's is itself.
     parent: usize,
     children: HashMap<Vec<u32>, usize>,
     last_access: u64,
+    /// Set on roots only: the namespace they start.
+    root_of: Option<Namespace>,
 }
 
 #[derive(Debug, Clone)]
@@ -50,6 +70,8 @@ pub struct RadixTree {
     nodes: Vec<Option<Node>>,
     free_slots: Vec<usize>,
     by_block: HashMap<BlockId, usize>,
+    /// Each namespace's root; 0 -> ROOT always.
+    roots: HashMap<Namespace, usize>,
     /// Logical time for LRU; bumped on every lookup and insertion.
     clock: u64,
 }
@@ -57,19 +79,61 @@ pub struct RadixTree {
 impl RadixTree {
     pub fn new(block_size: u32) -> Self {
         assert!(block_size > 0);
-        let root = Node {
-            tokens: Vec::new(),
-            block: BlockId::MAX,
-            parent: ROOT,
-            children: HashMap::new(),
-            last_access: 0,
-        };
         Self {
             block_size: block_size as usize,
-            nodes: vec![Some(root)],
+            nodes: vec![Some(Self::root_node(ROOT, 0))],
             free_slots: Vec::new(),
             by_block: HashMap::new(),
+            roots: HashMap::from([(0, ROOT)]),
             clock: 0,
+        }
+    }
+
+    fn root_node(index: usize, namespace: Namespace) -> Node {
+        Node {
+            tokens: Vec::new(),
+            block: BlockId::MAX,
+            parent: index,
+            children: HashMap::new(),
+            last_access: 0,
+            root_of: Some(namespace),
+        }
+    }
+
+    /// Puts `node` in a free slot of the slab; returns its index.
+    fn add_node(&mut self, node: Node) -> usize {
+        match self.free_slots.pop() {
+            Some(slot) => {
+                self.nodes[slot] = Some(node);
+                slot
+            }
+            None => {
+                self.nodes.push(Some(node));
+                self.nodes.len() - 1
+            }
+        }
+    }
+
+    /// The root of `namespace`, made if it has none yet.
+    fn root(&mut self, namespace: Namespace) -> usize {
+        if let Some(&root) = self.roots.get(&namespace) {
+            return root;
+        }
+        let index = self.add_node(Self::root_node(0, namespace));
+        self.node_mut(index).parent = index;
+        self.roots.insert(namespace, index);
+        index
+    }
+
+    /// Removes an adapter namespace's root once its last child is gone.
+    fn drop_root_if_empty(&mut self, index: usize) {
+        let node = self.node(index);
+        if let Some(namespace) = node.root_of.filter(|&ns| ns != 0) {
+            if node.children.is_empty() {
+                self.nodes[index] = None;
+                self.free_slots.push(index);
+                self.roots.remove(&namespace);
+            }
         }
     }
 
@@ -99,10 +163,12 @@ impl RadixTree {
         self.nodes[index].as_mut().expect("live node")
     }
 
-    /// The node path matching the longest block-aligned prefix of `tokens`.
-    fn walk(&self, tokens: &[u32]) -> Vec<usize> {
+    /// The node path matching the longest block-aligned prefix of `tokens`
+    /// in `namespace`.
+    fn walk(&self, namespace: Namespace, tokens: &[u32]) -> Vec<usize> {
         let mut path = Vec::new();
-        let mut at = ROOT;
+        let Some(&root) = self.roots.get(&namespace) else { return path };
+        let mut at = root;
         for chunk in tokens.chunks_exact(self.block_size) {
             match self.node(at).children.get(chunk) {
                 Some(&child) => {
@@ -115,17 +181,17 @@ impl RadixTree {
         path
     }
 
-    /// How many leading full blocks of `tokens` are cached, without touching
-    /// LRU times (admission ordering peeks at many requests).
-    pub fn peek_match_len(&self, tokens: &[u32]) -> usize {
-        self.walk(tokens).len()
+    /// How many leading full blocks of `tokens` are cached in `namespace`,
+    /// without touching LRU times (admission ordering peeks at many requests).
+    pub fn peek_match_len(&self, namespace: Namespace, tokens: &[u32]) -> usize {
+        self.walk(namespace, tokens).len()
     }
 
     /// The blocks holding the longest block-aligned cached prefix of
-    /// `tokens`, in order; marks them used now. The caller takes its own
-    /// references (`BlockAllocator::retain`).
-    pub fn match_prefix(&mut self, tokens: &[u32]) -> Vec<BlockId> {
-        let path = self.walk(tokens);
+    /// `tokens` in `namespace`, in order; marks them used now. The caller
+    /// takes its own references (`BlockAllocator::retain`).
+    pub fn match_prefix(&mut self, namespace: Namespace, tokens: &[u32]) -> Vec<BlockId> {
+        let path = self.walk(namespace, tokens);
         self.clock += 1;
         let now = self.clock;
         path.iter()
@@ -137,16 +203,27 @@ impl RadixTree {
             .collect()
     }
 
-    /// Caches the full blocks of a sequence: `blocks[i]` holds the KV of
-    /// `tokens[i * block_size .. (i + 1) * block_size]`. Only
-    /// `min(tokens.len() / block_size, blocks.len())` blocks are considered.
-    /// Where the tree already has a node for a block's tokens, the tree keeps
-    /// its own block and the caller's stays the caller's (and is freed when
-    /// the caller releases it). Returns the number of blocks adopted.
-    pub fn insert(&mut self, tokens: &[u32], blocks: &[BlockId], alloc: &mut BlockAllocator) -> usize {
+    /// Caches the full blocks of a sequence computed in `namespace`:
+    /// `blocks[i]` holds the KV of `tokens[i * block_size .. (i + 1) *
+    /// block_size]`. Only `min(tokens.len() / block_size, blocks.len())`
+    /// blocks are considered. Where the tree already has a node for a block's
+    /// tokens, the tree keeps its own block and the caller's stays the
+    /// caller's (and is freed when the caller releases it). Returns the
+    /// number of blocks adopted.
+    pub fn insert(
+        &mut self,
+        namespace: Namespace,
+        tokens: &[u32],
+        blocks: &[BlockId],
+        alloc: &mut BlockAllocator,
+    ) -> usize {
+        if tokens.len() < self.block_size || blocks.is_empty() {
+            return 0;
+        }
         self.clock += 1;
         let now = self.clock;
-        let mut at = ROOT;
+        let root = self.root(namespace);
+        let mut at = root;
         let mut adopted = 0;
         for (chunk, &block) in tokens.chunks_exact(self.block_size).zip(blocks) {
             if let Some(&child) = self.node(at).children.get(chunk) {
@@ -167,22 +244,15 @@ impl RadixTree {
                 parent: at,
                 children: HashMap::new(),
                 last_access: now,
+                root_of: None,
             };
-            let index = match self.free_slots.pop() {
-                Some(slot) => {
-                    self.nodes[slot] = Some(node);
-                    slot
-                }
-                None => {
-                    self.nodes.push(Some(node));
-                    self.nodes.len() - 1
-                }
-            };
+            let index = self.add_node(node);
             self.node_mut(at).children.insert(chunk.to_vec(), index);
             self.by_block.insert(block, index);
             adopted += 1;
             at = index;
         }
+        self.drop_root_if_empty(root);
         adopted
     }
 
@@ -193,6 +263,7 @@ impl RadixTree {
         self.by_block.remove(&node.block);
         self.free_slots.push(index);
         alloc.release(node.block);
+        self.drop_root_if_empty(node.parent);
     }
 
     /// Frees up to `wanted` blocks that only the tree references, least
@@ -203,8 +274,9 @@ impl RadixTree {
         use std::collections::BinaryHeap;
 
         fn evictable(tree: &RadixTree, alloc: &BlockAllocator, index: usize) -> bool {
-            let node = tree.node(index);
-            index != ROOT && node.children.is_empty() && alloc.ref_count(node.block) == 1
+            // A parent may be gone (an adapter's emptied root).
+            let Some(node) = tree.nodes[index].as_ref() else { return false };
+            node.root_of.is_none() && node.children.is_empty() && alloc.ref_count(node.block) == 1
         }
         let mut heap: BinaryHeap<Reverse<(u64, usize)>> = self
             .by_block
@@ -245,7 +317,10 @@ impl RadixTree {
                 assert_eq!(&c.tokens, tokens, "child {child} listed under other tokens");
                 assert_eq!(c.parent, index, "child {child} has another parent");
             }
-            if index == ROOT {
+            if let Some(namespace) = node.root_of {
+                assert_eq!(self.roots.get(&namespace), Some(&index), "root {index} not listed for namespace {namespace}");
+                assert!(node.tokens.is_empty() && node.parent == index, "root {index} is not a root");
+                assert!(namespace == 0 || !node.children.is_empty(), "namespace {namespace} has an empty root");
                 continue;
             }
             live += 1;
@@ -255,6 +330,9 @@ impl RadixTree {
             assert!(self.node(node.parent).children.get(&node.tokens) == Some(&index));
         }
         assert_eq!(live, self.by_block.len(), "by_block lists dead nodes");
+        for (&namespace, &root) in &self.roots {
+            assert_eq!(self.node(root).root_of, Some(namespace), "roots lists {root} for namespace {namespace}");
+        }
     }
 }
 
@@ -272,13 +350,13 @@ mod tests {
         let mut tree = RadixTree::new(4);
         let blocks: Vec<_> = (0..3).map(|_| alloc.allocate().unwrap()).collect();
         // 10 tokens: two full blocks and a partial one; only two are cached.
-        assert_eq!(tree.insert(&seq(0..10), &blocks, &mut alloc), 2);
-        assert_eq!(tree.match_prefix(&seq(0..8)), vec![0, 1]);
-        assert_eq!(tree.match_prefix(&seq(0..7)), vec![0]);
+        assert_eq!(tree.insert(0, &seq(0..10), &blocks, &mut alloc), 2);
+        assert_eq!(tree.match_prefix(0, &seq(0..8)), vec![0, 1]);
+        assert_eq!(tree.match_prefix(0, &seq(0..7)), vec![0]);
         let mut other = seq(0..8);
         other[5] = 99;
-        assert_eq!(tree.match_prefix(&other), vec![0]);
-        assert_eq!(tree.match_prefix(&[1, 2, 3, 4]), Vec::<BlockId>::new());
+        assert_eq!(tree.match_prefix(0, &other), vec![0]);
+        assert_eq!(tree.match_prefix(0, &[1, 2, 3, 4]), Vec::<BlockId>::new());
         tree.check_invariants(&alloc);
     }
 
@@ -287,14 +365,14 @@ mod tests {
         let mut alloc = BlockAllocator::new(8);
         let mut tree = RadixTree::new(2);
         let a: Vec<_> = (0..2).map(|_| alloc.allocate().unwrap()).collect(); // 0, 1
-        tree.insert(&[1, 2, 3, 4], &a, &mut alloc);
+        tree.insert(0, &[1, 2, 3, 4], &a, &mut alloc);
         let b = vec![alloc.allocate().unwrap()]; // 2
-        tree.insert(&[7, 7], &b, &mut alloc);
+        tree.insert(0, &[7, 7], &b, &mut alloc);
         // The requests are done with their blocks: only the tree holds them.
         for &x in a.iter().chain(&b) {
             alloc.release(x);
         }
-        tree.match_prefix(&[1, 2, 3, 4]); // [1,2,3,4] path is now newest
+        tree.match_prefix(0, &[1, 2, 3, 4]); // [1,2,3,4] path is now newest
         assert_eq!(tree.evict(1, &mut alloc), 1);
         assert!(!tree.contains_block(2), "the LRU leaf goes first");
         // A referenced leaf is not evictable; its parent is not a leaf.
@@ -305,5 +383,32 @@ mod tests {
         assert_eq!(alloc.num_free(), 8);
         tree.check_invariants(&alloc);
         alloc.check_invariants();
+    }
+
+    #[test]
+    fn namespaces_never_share_blocks_and_their_roots_go_with_their_last_leaf() {
+        let mut alloc = BlockAllocator::new(8);
+        let mut tree = RadixTree::new(2);
+        let base: Vec<_> = (0..2).map(|_| alloc.allocate().unwrap()).collect(); // 0, 1
+        let adapter: Vec<_> = (0..2).map(|_| alloc.allocate().unwrap()).collect(); // 2, 3
+        assert_eq!(tree.insert(0, &[1, 2, 3, 4], &base, &mut alloc), 2);
+        // The same tokens under adapter 5: its own blocks, not the base's.
+        assert_eq!(tree.match_prefix(5, &[1, 2, 3, 4]), Vec::<BlockId>::new());
+        assert_eq!(tree.insert(5, &[1, 2, 3, 4], &adapter, &mut alloc), 2);
+        assert_eq!(tree.match_prefix(5, &[1, 2, 3, 4]), vec![2, 3]);
+        assert_eq!(tree.match_prefix(0, &[1, 2, 3, 4]), vec![0, 1]);
+        assert_eq!(tree.peek_match_len(9, &[1, 2, 3, 4]), 0);
+        tree.check_invariants(&alloc);
+        for &b in base.iter().chain(&adapter) {
+            alloc.release(b);
+        }
+        tree.match_prefix(0, &[1, 2, 3, 4]); // the adapter's blocks are older
+        assert_eq!(tree.evict(2, &mut alloc), 2);
+        assert!(!tree.contains_block(2) && !tree.contains_block(3) && tree.contains_block(0));
+        assert!(!tree.roots.contains_key(&5), "an adapter's empty root stays behind");
+        tree.check_invariants(&alloc);
+        assert_eq!(tree.evict(8, &mut alloc), 2);
+        assert_eq!(alloc.num_free(), 8);
+        tree.check_invariants(&alloc);
     }
 }

@@ -15,7 +15,9 @@
 
 use std::time::Instant;
 
+use super::adapters::AdapterId;
 use super::kv::BlockTable;
+use super::radix::Namespace;
 use super::speculation::Adaptive;
 use crate::infer::{Entry, InferError, InferEvent, RequestClass, ValidRequest};
 use crate::pb;
@@ -52,10 +54,12 @@ pub(crate) struct Request {
     pub speculation: Adaptive,
     /// Its share of the time of the steps it took part in (apply.rs).
     pub compute: std::time::Duration,
+    /// The LoRA adapter it generates with (None: the base model).
+    pub adapter: Option<AdapterId>,
 }
 
 impl Request {
-    pub fn new(id: u64, entry: Entry, blocks: BlockTable) -> Self {
+    pub fn new(id: u64, entry: Entry, blocks: BlockTable, adapter: Option<AdapterId>) -> Self {
         let Entry { request, events, span } = entry;
         let queue_span = Some(tracing::debug_span!(parent: &span, "queue"));
         Self {
@@ -78,11 +82,17 @@ impl Request {
             queue_span,
             speculation: Adaptive::default(),
             compute: std::time::Duration::ZERO,
+            adapter,
         }
     }
 
     pub fn class(&self) -> RequestClass {
         self.request.class
+    }
+
+    /// Whose weights compute its KV: its prefix-cache namespace.
+    pub fn namespace(&self) -> Namespace {
+        self.adapter.unwrap_or(0)
     }
 
     pub fn generated(&self) -> u32 {
@@ -128,7 +138,8 @@ impl Request {
         &self.tokens[..self.num_computed_tokens]
     }
 
-    pub fn to_new_request(&self, num_new_tokens: usize) -> pb::NewRequest {
+    /// `adapter_slot`: the slot its adapter is in (0: the base model).
+    pub fn to_new_request(&self, num_new_tokens: usize, adapter_slot: u32) -> pb::NewRequest {
         let r = &self.request;
         let p = &r.params;
         pb::NewRequest {
@@ -160,6 +171,7 @@ impl Request {
             // Every admission carries it: a resumed request rebuilds its
             // matcher on the shard from it and the generated tokens.
             grammar: r.grammar.as_ref().map(|g| g.0.to_string()).unwrap_or_default(),
+            adapter_slot,
         }
     }
 }

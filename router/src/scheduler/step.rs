@@ -102,7 +102,7 @@ impl Scheduler {
             self.finished.push(r.id);
         }
         if cache {
-            self.kv.cache_full_blocks(&r.blocks, r.computed_tokens());
+            self.kv.cache_full_blocks(&r.blocks, r.namespace(), r.computed_tokens());
         }
     }
 
@@ -146,7 +146,8 @@ impl Scheduler {
         for entry in &plan.entries {
             let r = &self.running[self.position(entry.id).expect("planned requests are running")];
             if entry.is_new {
-                request.new_requests.push(r.to_new_request(entry.num_new_tokens));
+                let slot = r.adapter.and_then(|a| self.adapters.slot_of(a)).unwrap_or(0);
+                request.new_requests.push(r.to_new_request(entry.num_new_tokens, slot));
             } else {
                 let new_block_ids: Vec<BlockId> = r.blocks[entry.first_new_block..].to_vec();
                 request.scheduled.push(pb::ScheduledRequest {

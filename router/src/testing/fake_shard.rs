@@ -26,6 +26,13 @@
 //! token repeats the one `echo_period` positions back that often, so output
 //! repeats itself and n-gram drafts get accepted.
 //!
+//! LoRA adapters: `LoadAdapter` puts a path in a slot (a path containing
+//! `bad` is refused as a real shard refuses a bad folder, INVALID_ARGUMENT);
+//! a request's tokens and KV depend on its adapter's path (the hash starts
+//! from it), so KV reused across adapters, or a request run on a slot that
+//! holds another adapter, is caught. Changing a slot that a live request
+//! uses, or naming an empty slot, is a violation.
+//!
 //! Drafts (speculative decoding) are verified as a real shard does: each
 //! draft slot gets the KV of the draft's own prefix (also the rejected ones,
 //! whose slots then hold KV of a sequence that did not happen: reading one
@@ -40,7 +47,8 @@ use std::time::Duration;
 use crate::client::{ClientError, Shard};
 use crate::grammar::GrammarCompiler;
 use crate::pb::{
-    Generation, RequestError, SamplingParams, StepRequest, StepResponse, StepTimings, TokenLogprob,
+    Generation, LoadAdapterRequest, LoadAdapterResponse, RequestError, SamplingParams, StepRequest, StepResponse,
+    StepTimings, TokenLogprob, UnloadAdapterRequest,
 };
 
 #[derive(Debug, Clone)]
@@ -58,6 +66,8 @@ pub struct FakeShardConfig {
     /// Chance that a generated token repeats the one `echo_period` back.
     pub echo_probability: f64,
     pub echo_period: usize,
+    /// Adapter slots (0: LoRA off).
+    pub max_loras: u32,
 }
 
 impl Default for FakeShardConfig {
@@ -72,6 +82,7 @@ impl Default for FakeShardConfig {
             grammar: None,
             echo_probability: 0.0,
             echo_period: 8,
+            max_loras: 0,
         }
     }
 }
@@ -84,6 +95,9 @@ struct FakeRequest {
     blocks: Vec<u32>,
     params: SamplingParams,
     grammar: String,
+    adapter_slot: u32,
+    /// Where its hashes start: its adapter's (see [`adapter_seed`]).
+    seed: u64,
 }
 
 #[derive(Debug, Default)]
@@ -97,6 +111,12 @@ struct FakeState {
     fail_requests: HashSet<u64>,
     /// Steps that never answer (a stopped shard), counted down.
     hang_steps: u32,
+    /// Per adapter slot (index slot - 1): the path loaded there.
+    slots: Vec<Option<String>>,
+    /// Every LoadAdapter / UnloadAdapter received, in order: (slot, path; "" to empty).
+    adapter_calls: Vec<(u32, String)>,
+    /// Paths refused from now on (as if their files were damaged).
+    broken_paths: HashSet<String>,
 }
 
 pub struct FakeShard {
@@ -114,6 +134,7 @@ impl FakeShard {
     pub fn new(config: FakeShardConfig) -> (Self, FakeShardHandle) {
         let state = FakeState {
             kv: vec![None; (config.num_blocks * config.block_size) as usize],
+            slots: vec![None; config.max_loras as usize],
             ..Default::default()
         };
         let state = Arc::new(Mutex::new(state));
@@ -153,6 +174,27 @@ impl FakeShardHandle {
     pub fn fail_request(&self, id: u64) {
         self.state.lock().unwrap().fail_requests.insert(id);
     }
+
+    /// The path in each adapter slot.
+    pub fn adapter_slots(&self) -> Vec<Option<String>> {
+        self.state.lock().unwrap().slots.clone()
+    }
+
+    /// Every LoadAdapter (slot, path) and UnloadAdapter (slot, "") so far.
+    pub fn adapter_calls(&self) -> Vec<(u32, String)> {
+        self.state.lock().unwrap().adapter_calls.clone()
+    }
+
+    /// Loads of `path` fail from now on (its files were damaged on disk).
+    pub fn break_adapter(&self, path: &str) {
+        self.state.lock().unwrap().broken_paths.insert(path.to_string());
+    }
+}
+
+/// Where the hashes of a sequence generated with the adapter loaded from
+/// `path` start (`None`: the base model's).
+pub fn adapter_seed(path: Option<&str>) -> u64 {
+    path.map_or(HASH_SEED, |p| p.bytes().fold(HASH_SEED ^ 0x5bd1_e995, |h, b| extend_hash(h, u32::from(b))))
 }
 
 /// Rolling hash of a token prefix: `prefix_hash(h(t0..tk), tk+1)`.
@@ -162,8 +204,8 @@ fn extend_hash(h: u64, token: u32) -> u64 {
 
 const HASH_SEED: u64 = 0xcbf2_9ce4_8422_2325;
 
-fn prefix_hashes(tokens: &[u32]) -> Vec<u64> {
-    let mut h = HASH_SEED;
+fn prefix_hashes(seed: u64, tokens: &[u32]) -> Vec<u64> {
+    let mut h = seed;
     tokens
         .iter()
         .map(|&t| {
@@ -173,9 +215,14 @@ fn prefix_hashes(tokens: &[u32]) -> Vec<u64> {
         .collect()
 }
 
-/// The token a sequence "generates", and its fake logprob.
+/// The token a sequence "generates" with the base model, and its fake logprob.
 pub fn next_token(config: &FakeShardConfig, tokens: &[u32], may_end: bool) -> (u32, f32) {
-    let h = prefix_hashes(tokens).last().copied().unwrap_or(HASH_SEED);
+    next_token_from(config, HASH_SEED, tokens, may_end)
+}
+
+/// The token a sequence generates with the adapter whose [`adapter_seed`] is `seed`.
+pub fn next_token_from(config: &FakeShardConfig, seed: u64, tokens: &[u32], may_end: bool) -> (u32, f32) {
+    let h = prefix_hashes(seed, tokens).last().copied().unwrap_or(seed);
     let h = h.wrapping_mul(0x9e37_79b9_7f4a_7c15);
     let roll = ((h >> 40) % 1_000_000) as f64 / 1_000_000.0;
     let logprob = -(((h >> 8) % 1000) as f32) / 100.0;
@@ -217,7 +264,7 @@ fn constrained_token(config: &FakeShardConfig, r: &FakeRequest, may_end: bool) -
     if choices.is_empty() {
         return Err("every token was masked".into());
     }
-    let h = prefix_hashes(&r.tokens).last().copied().unwrap_or(HASH_SEED);
+    let h = prefix_hashes(r.seed, &r.tokens).last().copied().unwrap_or(r.seed);
     Ok(choices[(h % choices.len() as u64) as usize])
 }
 
@@ -253,6 +300,13 @@ impl FakeState {
             if computed >= len {
                 return Err(format!("request {}: num_computed_tokens {computed} >= {len}", new.id));
             }
+            let adapter = match new.adapter_slot {
+                0 => None,
+                slot => match self.slots.get(slot as usize - 1) {
+                    Some(Some(path)) => Some(path.as_str()),
+                    _ => return Err(format!("request {}: adapter slot {slot} holds no adapter", new.id)),
+                },
+            };
             live.insert(
                 new.id,
                 FakeRequest {
@@ -262,6 +316,8 @@ impl FakeState {
                     blocks: new.block_ids.clone(),
                     params: new.params.clone().ok_or_else(|| format!("request {}: no params", new.id))?,
                     grammar: new.grammar.clone(),
+                    adapter_slot: new.adapter_slot,
+                    seed: adapter_seed(adapter),
                 },
             );
             work.push(Work { id: new.id, start: computed, num_new_tokens: new.num_new_tokens as usize, draft: Vec::new() });
@@ -310,8 +366,9 @@ impl FakeState {
             if r.blocks.len() * bs < end {
                 return Err(format!("request {}: {} blocks cannot hold {end} slots", w.id, r.blocks.len()));
             }
-            // Attention reads slots [0, start): they must hold this prefix.
-            let hashes = prefix_hashes(&r.tokens);
+            // Attention reads slots [0, start): they must hold this prefix,
+            // computed with this request's adapter.
+            let hashes = prefix_hashes(r.seed, &r.tokens);
             for (pos, &hash) in hashes.iter().enumerate().take(w.start) {
                 let slot = r.blocks[pos / bs] as usize * bs + pos % bs;
                 if self.kv[slot] != Some(hash) {
@@ -367,7 +424,7 @@ impl FakeState {
             let r = self.requests.get_mut(&w.id).expect("validated");
             // KV of the own tokens, then of every draft (rejected ones too).
             let sequence: Vec<u32> = r.tokens.iter().chain(&w.draft).copied().collect();
-            let hashes = prefix_hashes(&sequence);
+            let hashes = prefix_hashes(r.seed, &sequence);
             for (pos, &hash) in hashes.iter().enumerate().skip(w.start).take(w.num_new_tokens + w.draft.len()) {
                 self.kv[r.blocks[pos / bs] as usize * bs + pos % bs] = Some(hash);
             }
@@ -378,7 +435,10 @@ impl FakeState {
             let first = r.tokens.len() == r.num_prompt_tokens;
             let prompt_logprobs = if r.params.prompt_logprobs && first {
                 (1..r.tokens.len())
-                    .map(|i| TokenLogprob { token_id: r.tokens[i], logprob: next_token(config, &r.tokens[..i], false).1 })
+                    .map(|i| TokenLogprob {
+                        token_id: r.tokens[i],
+                        logprob: next_token_from(config, r.seed, &r.tokens[..i], false).1,
+                    })
                     .collect()
             } else {
                 Vec::new()
@@ -418,9 +478,9 @@ fn verify(config: &FakeShardConfig, r: &mut FakeRequest, draft: &[u32]) -> Resul
         let generated = r.tokens.len() - r.num_prompt_tokens;
         let may_end = generated >= r.params.min_tokens as usize;
         let (token_id, logprob) = if r.grammar.is_empty() {
-            next_token(config, &r.tokens, may_end)
+            next_token_from(config, r.seed, &r.tokens, may_end)
         } else {
-            (constrained_token(config, r, may_end)?, next_token(config, &r.tokens, may_end).1)
+            (constrained_token(config, r, may_end)?, next_token_from(config, r.seed, &r.tokens, may_end).1)
         };
         r.tokens.push(token_id);
         emitted.push((token_id, logprob));
@@ -429,6 +489,54 @@ fn verify(config: &FakeShardConfig, r: &mut FakeRequest, draft: &[u32]) -> Resul
         }
     }
     Ok(emitted)
+}
+
+impl FakeState {
+    /// Drops `finished` requests, then checks that no live one uses `slot`.
+    // tonic::Status is the gRPC handlers' error type, large as it is.
+    #[allow(clippy::result_large_err)]
+    fn claim_slot(&mut self, config: &FakeShardConfig, slot: u32, finished: &[u64]) -> Result<(), tonic::Status> {
+        for id in finished {
+            self.requests.remove(id);
+        }
+        if slot == 0 || slot > config.max_loras {
+            return Err(tonic::Status::invalid_argument(format!("adapter slot {slot} is not in [1, {}]", config.max_loras)));
+        }
+        if let Some((id, _)) = self.requests.iter().find(|(_, r)| r.adapter_slot == slot) {
+            let violation = format!("adapter slot {slot} changed under live request {id}");
+            self.violations.push(violation.clone());
+            return Err(tonic::Status::failed_precondition(violation));
+        }
+        Ok(())
+    }
+
+    // ClientError is the trait's error type, large because tonic::Status is.
+    #[allow(clippy::result_large_err)]
+    fn load_adapter(&mut self, config: &FakeShardConfig, request: LoadAdapterRequest) -> Result<LoadAdapterResponse, ClientError> {
+        self.adapter_calls.push((request.slot, request.path.clone()));
+        for id in &request.finished_ids {
+            self.requests.remove(id);
+        }
+        if request.slot > 0 {
+            self.claim_slot(config, request.slot, &request.finished_ids)?;
+            self.slots[request.slot as usize - 1] = None;
+        }
+        if request.path.contains("bad") || self.broken_paths.contains(&request.path) {
+            return Err(ClientError::Status(tonic::Status::invalid_argument(format!("{} is not a PEFT folder", request.path))));
+        }
+        if request.slot > 0 {
+            self.slots[request.slot as usize - 1] = Some(request.path);
+        }
+        Ok(LoadAdapterResponse { rank: 8, target_modules: vec!["q_proj".into(), "v_proj".into()] })
+    }
+
+    #[allow(clippy::result_large_err)]
+    fn unload_adapter(&mut self, config: &FakeShardConfig, request: UnloadAdapterRequest) -> Result<(), ClientError> {
+        self.adapter_calls.push((request.slot, String::new()));
+        self.claim_slot(config, request.slot, &request.finished_ids)?;
+        self.slots[request.slot as usize - 1] = None;
+        Ok(())
+    }
 }
 
 impl Shard for FakeShard {
@@ -451,5 +559,18 @@ impl Shard for FakeShard {
             let mut state = state.lock().unwrap();
             state.step(&config, request)
         }
+    }
+
+    fn load_adapter(
+        &mut self,
+        request: LoadAdapterRequest,
+    ) -> impl Future<Output = Result<LoadAdapterResponse, ClientError>> + Send {
+        let result = self.state.lock().unwrap().load_adapter(&self.config, request);
+        async move { result }
+    }
+
+    fn unload_adapter(&mut self, request: UnloadAdapterRequest) -> impl Future<Output = Result<(), ClientError>> + Send {
+        let result = self.state.lock().unwrap().unload_adapter(&self.config, request);
+        async move { result }
     }
 }

@@ -17,8 +17,8 @@ pub enum ValidationError {
     UnknownToken { field: String, id: u64, vocab_size: u32 },
     #[error("`stop`: at most {max} stop sequences are allowed (--max-stop-sequences), got {got}")]
     TooManyStops { max: u32, got: usize },
-    #[error("The model `{0}` does not exist")]
-    ModelNotFound(String),
+    #[error("The model `{name}` does not exist; this server serves: {}", known.join(", "))]
+    ModelNotFound { name: String, known: Vec<String> },
     #[error("`messages`: this model has no chat template; use a completion endpoint or start the router with --chat-template")]
     NoChatTemplate,
     #[error("`messages`: {0}")]
@@ -45,7 +45,7 @@ impl ValidationError {
             | Self::Unsupported { field, .. }
             | Self::Grammar { field, .. } => Some(field),
             Self::TooManyStops { .. } => Some("stop"),
-            Self::ModelNotFound(_) => Some("model"),
+            Self::ModelNotFound { .. } => Some("model"),
             Self::NoChatTemplate | Self::ChatTemplate(_) => Some("messages"),
             Self::Tokenizer(_) => None,
         }

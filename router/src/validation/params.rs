@@ -68,6 +68,8 @@ pub struct GenerateParameters {
     pub constraint: Option<(String, Constraint)>,
     /// Scheduling priority: lower runs first (vLLM's `priority`).
     pub priority: i32,
+    /// The LoRA adapter the request named (`Validation::check_model`).
+    pub adapter: Option<String>,
 }
 
 impl Default for GenerateParameters {
@@ -101,6 +103,7 @@ impl Default for GenerateParameters {
             truncate: None,
             constraint: None,
             priority: 0,
+            adapter: None,
         }
     }
 }

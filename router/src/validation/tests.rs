@@ -32,6 +32,7 @@ pub(crate) fn validation() -> Validation {
         grammar: Some(Arc::new(GrammarCompiler::new(&byte_fallback_tokenizer(), 267, &[2]).unwrap())),
         tool_format: ToolFormat::new(crate::tool_calls::ToolParserKind::Hermes, &byte_fallback_tokenizer()),
         reasoning: None,
+        adapters: crate::infer::fixed_catalog(Vec::new()),
     }
 }
 
@@ -235,6 +236,21 @@ fn prompt_lists_name_each_entry() {
     assert_eq!(text[0].request.input_ids[1..], chat[0].request.input_ids[..]);
     assert_eq!(v.check_model(Some("gpt-4")).unwrap_err().param(), Some("model"));
     assert!(v.check_model(Some("org/tiny")).is_ok() && v.check_model(Some("tgi")).is_ok() && v.check_model(None).is_ok());
+}
+
+#[test]
+fn the_model_field_picks_a_lora_adapter() {
+    let mut v = validation();
+    let adapter = |name: &str| crate::infer::AdapterInfo { name: name.into(), path: format!("/adapters/{name}") };
+    v.adapters = crate::infer::fixed_catalog(vec![adapter("sql"), adapter("chat")]);
+    assert_eq!(v.check_model(Some("sql")).unwrap().as_deref(), Some("sql"));
+    assert_eq!(v.check_model(Some("tiny")).unwrap(), None);
+    assert_eq!(v.check_model(None).unwrap(), None);
+    let err = v.check_model(Some("sqll")).unwrap_err();
+    assert_eq!(err.param(), Some("model"));
+    assert_eq!(err.to_string(), "The model `sqll` does not exist; this server serves: `tiny` (the base model), `sql`, `chat`");
+    let params = GenerateParameters { adapter: Some("sql".into()), max_new_tokens: Some(2), ..Default::default() };
+    assert_eq!(check(vec![5, 6], params).unwrap().request.adapter.as_deref(), Some("sql"));
 }
 
 #[test]

@@ -9,7 +9,7 @@ use super::error::ValidationError;
 use super::params::{GenerateParameters, GenerationDefaults, Prompt, RequestLimits};
 use crate::chat_template::ChatTemplate;
 use crate::grammar::{CompiledGrammar, GrammarCompiler};
-use crate::infer::{RequestClass, ValidRequest};
+use crate::infer::{AdapterCatalog, RequestClass, ValidRequest};
 use crate::tokenizer::Tokenizer;
 use crate::tool_calls::ToolFormat;
 
@@ -39,7 +39,13 @@ pub struct Validation {
     pub tool_format: ToolFormat,
     /// How this model thinks (`--reasoning-parser`); `None`: it does not.
     pub reasoning: Option<crate::reasoning::ReasoningFormat>,
+    /// The LoRA adapters a request may name (the scheduler keeps it current).
+    pub adapters: AdapterCatalog,
 }
+
+/// What huggingface_hub's InferenceClient sends as `model` when it was given
+/// a server URL instead of a model: the base model.
+const CLIENT_PLACEHOLDERS: [&str; 2] = ["tgi", "dummy"];
 
 impl Validation {
     /// The name responses give the model.
@@ -47,16 +53,28 @@ impl Validation {
         &self.model_names[0]
     }
 
-    /// Accepts no name, the served name, the model id, and the placeholders
-    /// huggingface_hub's InferenceClient sends when given a server URL
-    /// instead of a model ("tgi", "dummy").
-    pub fn check_model(&self, model: Option<&str>) -> Result<(), ValidationError> {
-        const CLIENT_PLACEHOLDERS: [&str; 2] = ["tgi", "dummy"];
+    /// The LoRA adapter a request's `model` (OpenAI, Anthropic) or
+    /// `adapter_id` (TGI) names: None for the base model (no name, the
+    /// served name, the model id, or the placeholders huggingface_hub's
+    /// InferenceClient sends when given a server URL instead of a model,
+    /// "tgi" and "dummy"), the adapter's name for a loaded adapter; else a
+    /// 404 listing what exists.
+    pub fn check_model(&self, model: Option<&str>) -> Result<Option<String>, ValidationError> {
         match model {
-            None => Ok(()),
-            Some(m) if CLIENT_PLACEHOLDERS.contains(&m) || self.model_names.iter().any(|n| n == m) => Ok(()),
-            Some(m) => Err(ValidationError::ModelNotFound(m.to_string())),
+            None => Ok(None),
+            Some(m) if self.is_base_name(m) => Ok(None),
+            Some(m) if self.adapters.borrow().iter().any(|a| a.name == m) => Ok(Some(m.to_string())),
+            Some(m) => {
+                let mut known = vec![format!("`{}` (the base model)", self.served_model_name())];
+                known.extend(self.adapters.borrow().iter().map(|a| format!("`{}`", a.name)));
+                Err(ValidationError::ModelNotFound { name: m.to_string(), known })
+            }
         }
+    }
+
+    /// A name that means the base model: no adapter may take it.
+    pub fn is_base_name(&self, name: &str) -> bool {
+        CLIENT_PLACEHOLDERS.contains(&name) || self.model_names.iter().any(|n| n == name)
     }
 
     /// Tokenizes and validates every prompt of a request (`field` names the
@@ -119,6 +137,7 @@ impl Validation {
                 top_n_tokens: params.top_n_tokens,
                 prompt_logprobs: params.prompt_logprobs,
                 grammar,
+                adapter: params.adapter,
                 arrived: Instant::now(),
                 priority: params.priority,
                 class: RequestClass::Interactive,

@@ -34,11 +34,13 @@ pub fn scheduler_config(fake: &FakeShardConfig) -> SchedulerConfig {
         panic_at_step: None,
         speculation: None,
         batch_min_share: 0.1,
+        hourly_cost: None,
     }
 }
 
 pub fn shard_info(config: &SchedulerConfig) -> ShardInfo {
     ShardInfo {
+        max_loras: 0,
         model_type: "fake".into(),
         dtype: "float32".into(),
         device_type: "cpu".into(),
@@ -71,6 +73,7 @@ pub fn request(prompt: Vec<u32>, max_new_tokens: u32) -> ValidRequest {
         top_n_tokens: 0,
         prompt_logprobs: false,
         grammar: None,
+        adapter: None,
         arrived: Instant::now(),
         priority: 0,
         class: RequestClass::Interactive,

@@ -10,6 +10,11 @@ all-reduce:
 Each parameter carries a `weight_loader(param, checkpoint_slice, shard_id)`
 that copies just this rank's part out of a safetensors slice (`get_slice`),
 so a rank never reads the whole tensor.
+
+A layer may also carry LoRA adapters (`lora`, a `layers.lora.LoraWeights`,
+attached by the shard's adapter slots): their update is added to the
+layer's own output, before a row-parallel layer's all-reduce (each rank adds
+B (A_local x_local), and the reduction sums those into B A x).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from sluice_server.distributed import Distributed, shard_range
+from sluice_server.layers.lora import LoraWeights
 
 # oneDNN's packed-weight linear (the op torch's own CPU compiler emits for
 # frozen weights), in place of F.linear (MKL sgemm on a plain row-major
@@ -71,6 +77,8 @@ class PackableLinear(nn.Module):
     dense_shape: tuple[int, int] | None = None
     # GGUF blocks of the same weight, for few-row matmuls (layers.gguf_weights).
     quantized = None
+    # Stacked LoRA adapters of this layer (layers.lora), when adapters are on.
+    lora: LoraWeights | None = None
 
     def pack_for_cpu_(self, dtype: torch.dtype | None = None) -> bool:
         if self.packed is not None or not can_pack_for_cpu(self.weight):
@@ -99,6 +107,13 @@ class PackableLinear(nn.Module):
         else:
             y = F.linear(x, self.weight, bias)
         return y if out_dtype is None or y.dtype == out_dtype else y.to(out_dtype)
+
+    def _add_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y plus the step's adapter updates for x's rows (y itself, unchanged,
+        on a step without adapter rows)."""
+        if self.lora is not None:
+            self.lora.apply_(x, y)
+        return y
 
 
 def pack_linear_weights(model: nn.Module, dtype: torch.dtype | None = None) -> int:
@@ -184,7 +199,7 @@ class ColumnParallelLinear(PackableLinear):
         param.data[offset : offset + end - start].copy_(checkpoint[start:end])
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        return self._linear(x, self.bias, out_dtype)
+        return self._add_lora(x, self._linear(x, self.bias, out_dtype))
 
 
 class RowParallelLinear(PackableLinear):
@@ -217,7 +232,7 @@ class RowParallelLinear(PackableLinear):
         param.data.copy_(checkpoint[:])
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        y = self.dist.all_reduce(self._linear(x, None, out_dtype))
+        y = self.dist.all_reduce(self._add_lora(x, self._linear(x, None, out_dtype)))
         if self.bias is not None:
             y = y + self.bias
         return y

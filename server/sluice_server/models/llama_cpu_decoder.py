@@ -21,6 +21,13 @@ verified: the step writes every row's key and value before any row
 attends). Which steps qualify is the model runner's decision: at most
 `max_rows` rows, all of that kind.
 
+LoRA adapters: once the shard's adapter slots exist, `attach_lora` hands
+the decoder every adapted linear layer's stacks (held by reference, so
+adapters loaded later show), and a step with adapter rows passes their
+segments; the decoder adds the updates with the same kernel, at the same
+point, as the Python layers (layers.lora with the C++ grouped matmul), so
+such steps stay bitwise the Python forward's.
+
 Models it declines (their forward runs every step): other families (even
 subclasses of the Llama model), tensor parallelism, sliding-window layers
 (the C++ decoder attends over whole contexts), layers without GGUF blocks
@@ -34,6 +41,7 @@ import logging
 import torch
 
 from sluice_kernels.cpu_matmuls import ALL_ROWS
+from sluice_server.layers.lora import LoraSegments
 from sluice_server.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -47,6 +55,29 @@ class LlamaCpuDecoder:
         self.max_rows = max_rows
         # Steps run here so far: which path a step took, for the tests and logs.
         self.steps = 0
+        # The adapter slots' scales, once attach_lora gave it their stacks.
+        self.lora_scales: torch.Tensor | None = None
+
+    def linears(self):
+        """(layer index, linear index, module) of every linear layer, in the
+        engine's order: qkv, o, gate_up, down."""
+        for i, layer in enumerate(self.model.model.layers):
+            group = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            for j, module in enumerate(group):
+                yield i, j, module
+
+    def attach_lora(self) -> bool:
+        """Gives the engine the LoRA stacks of every adapted linear layer
+        (float32, the C++ grouped matmul's); True when it can then run steps
+        with adapter rows."""
+        loras = [(i, j, m.lora) for i, j, m in self.linears() if m.lora is not None]
+        if not loras or loras[0][2].context.kernel != "cpu":
+            self.lora_scales = None
+            return False
+        for i, j, lora in loras:
+            self.engine.set_lora(i, j, lora.a, lora.b, lora.bounds_t, lora.ranks)
+        self.lora_scales = loras[0][2].context.scales
+        return True
 
     def forward(
         self,
@@ -56,6 +87,7 @@ class LlamaCpuDecoder:
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
+        lora: LoraSegments | None = None,
     ) -> torch.Tensor:
         """One step of R rows -> final hidden states [R, hidden], as the
         model's forward returns them.
@@ -63,13 +95,19 @@ class LlamaCpuDecoder:
         input_ids, positions, slot_mapping: [R] int64, row r's token, its
         position and the cache slot its key/value go to;
         block_tables [R, max_blocks], seq_lens [R] int64: row r's sequence's
-        blocks, and how many of its keys it sees (positions[r] + 1)."""
+        blocks, and how many of its keys it sees (positions[r] + 1);
+        lora: the rows' adapter segments (attach_lora first), if any."""
+        segments = (None,) * 4
+        if lora is not None:
+            if self.lora_scales is None:
+                raise RuntimeError("a step with adapter rows, but the decoder has no LoRA stacks (attach_lora)")
+            segments = (lora.starts_t, lora.ends_t, lora.slots_t, self.lora_scales)
         model = self.model
         x = model.model.embed_tokens(input_ids)
         rotary = model.rotary.tables(positions)
         hidden = self.engine.forward(
             x, rotary.cos, rotary.sin, slot_mapping, block_tables, seq_lens,
-            [k for k, _ in kv_layers], [v for _, v in kv_layers],
+            [k for k, _ in kv_layers], [v for _, v in kv_layers], *segments,
         )
         self.steps += 1
         return hidden

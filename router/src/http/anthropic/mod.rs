@@ -111,7 +111,7 @@ fn count(state: &AppState, body: &[u8]) -> Result<CountTokensResponse, ApiError>
 fn prepare(state: &AppState, body: &[u8]) -> Result<(Validated, MessagesShape, bool), ApiError> {
     let request: MessagesRequest = parse_json(body)?;
     check_unsupported(&request)?;
-    state.validation.check_model(Some(&request.model))?;
+    let adapter = state.validation.check_model(Some(&request.model))?;
     let conversation = Conversation::read(&request.messages, request.system.as_ref())?;
     let tools = state.validation.tools(&tool_request(request.tools.as_deref(), request.tool_choice.as_ref())?)?;
     let kwargs = thinking_kwargs(state, request.thinking.as_ref(), Some(request.max_tokens))?;
@@ -124,6 +124,7 @@ fn prepare(state: &AppState, body: &[u8]) -> Result<(Validated, MessagesShape, b
     };
     let mut params = parameters(state, &sampling, Some(request.max_tokens));
     params.max_temperature = 1.0;
+    params.adapter = adapter;
     let input = ChatInput { messages: &conversation.messages, tools: tools.as_ref(), kwargs: &kwargs, format: None };
     let chat = state.validation.validate_chat(input, params)?;
     let answers = AnswerFormat {

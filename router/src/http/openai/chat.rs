@@ -72,7 +72,7 @@ pub(crate) async fn batch_line(state: &Arc<AppState>, body: Bytes) -> Result<(Ch
 /// tokenize, compile its constraint.
 fn prepare(state: &AppState, body: &[u8]) -> Result<Prepared<ChatShape>, ApiError> {
     let request: ChatCompletionRequest = parse_json(body)?;
-    state.validation.check_model(request.model.as_deref())?;
+    let adapter = state.validation.check_model(request.model.as_deref())?;
     let tools = tool_request(request.tools.as_deref(), request.tool_choice.as_ref(), request.parallel_tool_calls)?;
     let tools = state.validation.tools(&tools)?;
     let messages = request
@@ -82,6 +82,7 @@ fn prepare(state: &AppState, body: &[u8]) -> Result<Prepared<ChatShape>, ApiErro
         .map(|(i, m)| template_message(m, i))
         .collect::<Result<Vec<_>, ApiError>>()?;
     let mut params = parameters(state, &request.sampling, request.max_completion_tokens.or(request.max_tokens));
+    params.adapter = adapter.clone();
     if request.max_completion_tokens.is_some() {
         params.max_new_tokens_field = "max_completion_tokens";
     }
@@ -104,7 +105,7 @@ fn prepare(state: &AppState, body: &[u8]) -> Result<Prepared<ChatShape>, ApiErro
         tools: tools.as_ref().and_then(ValidTools::shown).map(|_| state.validation.tool_format.clone()),
     };
     let shape = ChatShape {
-        id: ResponseId::new(state, "chatcmpl"),
+        id: ResponseId::new(state, "chatcmpl", adapter.as_deref()),
         tokenizer: state.validation.tokenizer.clone(),
         logprobs: request.logprobs.unwrap_or(false).then_some(request.top_logprobs.unwrap_or(0)),
         include_usage: request.sampling.stream_options.is_some_and(|o| o.include_usage),

@@ -57,7 +57,7 @@ pub(crate) async fn batch_line(state: &Arc<AppState>, body: Bytes) -> Result<(Co
 /// compile the constraint.
 fn prepare(state: &AppState, body: &[u8]) -> Result<Prepared<CompletionShape>, ApiError> {
     let request: CompletionRequest = parse_json(body)?;
-    state.validation.check_model(request.model.as_deref())?;
+    let adapter = state.validation.check_model(request.model.as_deref())?;
     let prompts: Vec<Prompt> = match request.prompt {
         PromptInput::Text(t) => vec![Prompt::Text(t)],
         PromptInput::Texts(ts) => ts.into_iter().map(Prompt::Text).collect(),
@@ -66,6 +66,7 @@ fn prepare(state: &AppState, body: &[u8]) -> Result<Prepared<CompletionShape>, A
     };
     let max_tokens = request.max_tokens.unwrap_or(DEFAULT_COMPLETION_MAX_TOKENS);
     let mut params = parameters(state, &request.sampling, Some(max_tokens));
+    params.adapter = adapter;
     params.best_of = request.best_of;
     params.logprobs = request.logprobs.is_some();
     params.top_n_tokens = request.logprobs.unwrap_or(0);
@@ -96,7 +97,7 @@ struct CompletionShape {
 impl CompletionShape {
     fn new(state: &AppState, prompts: &[Validated], echo: bool, logprobs: Option<u32>) -> Self {
         Self {
-            id: ResponseId::new(state, "cmpl"),
+            id: ResponseId::new(state, "cmpl", prompts.first().and_then(|v| v.request.adapter.as_deref())),
             tokenizer: state.validation.tokenizer.clone(),
             n: prompts.first().map_or(1, |p| p.n as usize),
             logprobs,

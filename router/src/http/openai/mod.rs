@@ -83,12 +83,13 @@ struct ResponseId {
 }
 
 impl ResponseId {
-    /// `prefix` is OpenAI's: "chatcmpl" or "cmpl".
-    fn new(state: &AppState, prefix: &str) -> Self {
+    /// `prefix` is OpenAI's: "chatcmpl" or "cmpl". The model answering is
+    /// the LoRA `adapter` the request named, else the base model.
+    fn new(state: &AppState, prefix: &str, adapter: Option<&str>) -> Self {
         Self {
             id: format!("{prefix}-{}", uuid::Uuid::new_v4().simple()),
             created: unix_now(),
-            model: state.served_model_name().to_string(),
+            model: adapter.unwrap_or(state.served_model_name()).to_string(),
         }
     }
 }
@@ -129,18 +130,27 @@ pub struct ModelCard {
     pub created: u64,
     pub owned_by: String,
     pub max_model_len: u32,
+    /// A LoRA adapter's folder; the base model's id for the base model.
+    pub root: String,
+    /// The base model of a LoRA adapter; null for the base model.
+    pub parent: Option<String>,
 }
 
+/// The base model first, then every LoRA adapter (with the base as `parent`).
 #[utoipa::path(get, path = "/v1/models", responses((status = 200, body = ModelList)))]
 pub async fn models(State(state): State<Arc<AppState>>) -> Json<ModelList> {
-    Json(ModelList {
-        object: "list".into(),
-        data: vec![ModelCard {
-            id: state.served_model_name().to_string(),
-            object: "model".into(),
-            created: unix_now(),
-            owned_by: "sluice".into(),
-            max_model_len: state.info.max_total_tokens,
-        }],
-    })
+    let base = state.served_model_name().to_string();
+    let card = |id: String, root: String, parent: Option<String>| ModelCard {
+        id,
+        object: "model".into(),
+        created: unix_now(),
+        owned_by: "sluice".into(),
+        max_model_len: state.info.max_total_tokens,
+        root,
+        parent,
+    };
+    let mut data = vec![card(base.clone(), state.info.model_id.clone(), None)];
+    let adapters = state.validation.adapters.borrow().clone();
+    data.extend(adapters.iter().map(|a| card(a.name.clone(), a.path.clone(), Some(base.clone()))));
+    Json(ModelList { object: "list".into(), data })
 }

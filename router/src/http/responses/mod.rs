@@ -134,7 +134,7 @@ fn run_in_background(state: &Arc<AppState>, choices: Choices, shape: ResponsesSh
 fn prepare(state: &AppState, body: &[u8]) -> Result<(Validated, ResponsesShape), ApiError> {
     let request: CreateResponse = parse_json(body)?;
     check_unsupported(&request)?;
-    state.validation.check_model(request.model.as_deref())?;
+    let adapter = state.validation.check_model(request.model.as_deref())?;
     let before = match &request.previous_response_id {
         Some(id) => Some(state.responses.get(id).map_err(|e| not_found(e, Some("previous_response_id")))?.turns),
         None => None,
@@ -162,6 +162,7 @@ fn prepare(state: &AppState, body: &[u8]) -> Result<(Validated, ResponsesShape),
     };
     let mut params = parameters(state, &sampling, request.max_output_tokens);
     params.max_new_tokens_field = "max_output_tokens";
+    params.adapter = adapter.clone();
     let input = ChatInput { messages: &messages, tools: tools.as_ref(), kwargs: &kwargs, format: text_format(request.text.as_ref())? };
     let chat = state.validation.validate_chat(input, params)?;
     let answers = AnswerFormat {
@@ -177,7 +178,8 @@ fn prepare(state: &AppState, body: &[u8]) -> Result<(Validated, ResponsesShape),
         background: request.background.unwrap_or(false),
         instructions: request.instructions.clone(),
         max_output_tokens: request.max_output_tokens,
-        model: state.served_model_name().to_string(),
+        // The adapter the request named, else the base model (as chat's `model`).
+        model: adapter.unwrap_or_else(|| state.served_model_name().to_string()),
         parallel_tool_calls: request.parallel_tool_calls.unwrap_or(true),
         previous_response_id: request.previous_response_id.clone(),
         reasoning: request.reasoning.clone().unwrap_or_default(),

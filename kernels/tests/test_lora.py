@@ -1,0 +1,113 @@
+"""LoRA's grouped matmul: the C++ kernel and the Triton kernel (under the
+interpreter without a GPU) against `lora_apply_reference`, which is itself
+checked against each row's own update computed densely. Irregular shapes:
+fused pieces of unequal size, ranks below the stacks' R and 0 (a piece the
+adapter leaves alone), an input size no power of two, segments of 1 row and
+of more rows than a tile, base-model rows between them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sluice_kernels import cpu_kernels
+from sluice_kernels.lora import lora_apply_cpu, lora_apply_reference
+
+from .kernel_cases import TOLERANCES, device
+
+S, R, IN = 3, 8, 70
+BOUNDS = [0, 24, 31, 37]  # three pieces: 24, 7 and 6 output rows
+RANKS = [[8, 0, 8], [3, 3, 3], [0, 0, 0]]  # slot 2 holds nothing
+# Segments [start, end) on a slot; rows 0, 6, 7 and 29.. are the base model's.
+SEGMENTS = [(1, 2, 1), (2, 6, 0), (8, 29, 1)]
+ROWS = 31
+
+
+def case(dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(S, len(BOUNDS) - 1, R, IN, generator=g) / IN**0.5
+    b = torch.randn(S, BOUNDS[-1], R, generator=g)
+    for s, ranks in enumerate(RANKS):  # what loading leaves past a piece's rank
+        for p, r in enumerate(ranks):
+            a[s, p, r:] = 0
+            b[s, BOUNDS[p] : BOUNDS[p + 1], r:] = 0
+    x = torch.randn(ROWS, IN, generator=g)
+    y = torch.randn(ROWS, BOUNDS[-1], generator=g)
+    scales = torch.tensor([0.5, 2.0, 0.0])
+    return [t.to(dtype) for t in (y, x, a, b)] + [scales]
+
+
+def index_tensors(dev):
+    starts, ends, slots = (torch.tensor([seg[i] for seg in SEGMENTS], dtype=torch.int32, device=dev) for i in range(3))
+    bounds = torch.tensor(BOUNDS, dtype=torch.int32, device=dev)
+    ranks = torch.tensor(RANKS, dtype=torch.int32, device=dev)
+    return bounds, starts, ends, slots, ranks
+
+
+def reference(y, x, a, b, scales):
+    out = y.clone()
+    lora_apply_reference(
+        out, x, a, b, BOUNDS, [s[0] for s in SEGMENTS], [s[1] for s in SEGMENTS], [s[2] for s in SEGMENTS],
+        RANKS, scales,
+    )
+    return out
+
+
+def test_reference_is_each_rows_own_update():
+    y, x, a, b, scales = case(torch.float64)
+    want = y.clone()
+    for start, end, s in SEGMENTS:
+        for t in range(start, end):
+            for p in range(len(BOUNDS) - 1):
+                lo, hi = BOUNDS[p], BOUNDS[p + 1]
+                want[t, lo:hi] += scales[s].double() * (b[s, lo:hi] @ (a[s, p] @ x[t]))
+    torch.testing.assert_close(reference(y, x, a, b, scales), want, atol=1e-12, rtol=1e-12)
+    # Base-model rows are untouched, adapter rows changed.
+    got = reference(y, x, a, b, scales)
+    assert torch.equal(got[[0, 6, 7, 29, 30]], y[[0, 6, 7, 29, 30]])
+    assert not torch.allclose(got[2:6], y[2:6])
+
+
+@pytest.mark.skipif(not cpu_kernels.load(), reason="CPU kernels not built")
+def test_cpu_kernel_matches_the_reference():
+    y, x, a, b, scales = case(torch.float32, seed=1)
+    want = reference(y, x, a, b, scales)
+    lora_apply_cpu(y, x, a, b, *index_tensors("cpu"), scales)
+    torch.testing.assert_close(y, want, **TOLERANCES[torch.float32])
+
+
+@pytest.mark.skipif(not cpu_kernels.load(), reason="CPU kernels not built")
+def test_cpu_kernel_on_strided_rows_and_bad_inputs():
+    """y and x may be views with strided rows (the qkv output is one); what
+    does not fit the layout is refused with the reason, not read out of bounds."""
+    y, x, a, b, scales = case(torch.float32, seed=2)
+    wide_x = torch.zeros(ROWS, IN + 5)
+    wide_x[:, 2 : 2 + IN] = x
+    wide_y = torch.zeros(ROWS, BOUNDS[-1] + 3)
+    wide_y[:, 1 : 1 + BOUNDS[-1]] = y
+    lora_apply_cpu(wide_y[:, 1 : 1 + BOUNDS[-1]], wide_x[:, 2 : 2 + IN], a, b, *index_tensors("cpu"), scales)
+    torch.testing.assert_close(wide_y[:, 1 : 1 + BOUNDS[-1]], reference(y, x, a, b, scales), **TOLERANCES[torch.float32])
+    bounds, starts, ends, slots, ranks = index_tensors("cpu")
+    with pytest.raises(RuntimeError, match="inside the 31 rows"):
+        lora_apply_cpu(y, x, a, b, bounds, starts, ends + 5, slots, ranks, scales)
+    with pytest.raises(RuntimeError, match="is not below 3"):
+        lora_apply_cpu(y, x, a, b, bounds, starts, ends, slots + 3, ranks, scales)
+    with pytest.raises(RuntimeError, match="ranks must be in"):
+        lora_apply_cpu(y, x, a, b, bounds, starts, ends, slots, ranks + R, scales)
+    with pytest.raises(RuntimeError, match="int32"):
+        lora_apply_cpu(y, x, a, b, bounds.long(), starts, ends, slots, ranks, scales)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_kernel_matches_the_reference(dtype):
+    from sluice_kernels.triton.lora import lora_apply_triton
+
+    dev = device()
+    y, x, a, b, scales = case(dtype, seed=3)
+    want = reference(y.float(), x.float(), a.float(), b.float(), scales)
+    y, x, a, b, scales = (t.to(dev) for t in (y, x, a, b, scales))
+    max_rows = max(end - start for start, end, _ in SEGMENTS)
+    lora_apply_triton(y, x, a, b, *index_tensors(dev), scales, max_rows)
+    # bfloat16: the inputs and the output are rounded; h stays float32.
+    tolerance = TOLERANCES[dtype] if dtype == torch.float32 else dict(atol=6e-2, rtol=2e-2)
+    torch.testing.assert_close(y.float().cpu(), want, **tolerance)

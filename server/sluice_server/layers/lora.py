@@ -1,0 +1,157 @@
+"""LoRA in the linear layers: each row of a step gets the low-rank update of
+the adapter its request uses, all adapters of the step in one grouped matmul
+per layer (sluice_kernels.lora: the layout, the math, the kernels).
+
+An adapted layer holds every slot's adapter, stacked (zeros where a slot is
+empty, rank 0 where its adapter leaves a piece of the layer alone):
+
+    a      [slots, pieces, R, in]   R = --max-lora-rank; pieces: the matrices
+                                    fused in the layer (q, k, v of qkv_proj;
+                                    gate, up of gate_up_proj; else 1)
+    b      [slots, out, R]          piece p's output rows read piece p's h
+    ranks  [slots, pieces]
+
+The step's rows are grouped by slot (batch.build_batch sorts decodes and
+prefill chunks by slot), so each adapter is one segment of consecutive rows
+[start, end); rows of the base model belong to no segment and are left alone:
+
+    rows     0  1  2  3  4  5 | 6  7  8  9  10      decodes | prefill chunks
+    slot     -  1  1  2  2  3 | -  -  1  1  1       (- = the base model)
+    segments [1, 3) s1   [3, 5) s2   [5, 6) s3   [8, 11) s1
+
+`LoraSegments` is that table, built once per step and shared by every layer
+through the slots' `LoraContext`; a step without adapter rows has none, and
+the layers then skip LoRA entirely. Which implementation runs is chosen once,
+with the stacks: the Triton kernel on CUDA (and under Triton's interpreter
+with the triton backend), the C++ kernel on CPU in float32 when the CPU
+kernels are loaded, else the plain-torch reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from sluice_kernels.lora import lora_apply_cpu, lora_apply_reference
+
+KERNELS = ("torch", "cpu", "triton")
+
+
+@dataclass
+class LoraSegments:
+    """A step's runs of rows that share an adapter, base-model rows left out.
+
+    Segment i is rows [starts[i], ends[i]) on stack index slots[i] (the
+    proto's adapter slot - 1). The int32 tensors hold the same numbers on the
+    model's device, for the kernels."""
+
+    starts: list[int]
+    ends: list[int]
+    slots: list[int]
+    starts_t: torch.Tensor
+    ends_t: torch.Tensor
+    slots_t: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        """Rows that get an adapter's update."""
+        return sum(e - s for s, e in zip(self.starts, self.ends))
+
+    @property
+    def max_rows(self) -> int:
+        """The longest segment."""
+        return max(e - s for s, e in zip(self.starts, self.ends))
+
+
+def build_segments(query_lens: list[int], slots: list[int], device: torch.device) -> LoraSegments | None:
+    """The segments of a step whose sequence i has query_lens[i] rows on
+    adapter slot slots[i] (0: the base model), sequences in batch order.
+    Consecutive sequences on one slot merge into one segment. None when no
+    row uses an adapter."""
+    starts: list[int] = []
+    ends: list[int] = []
+    stack: list[int] = []
+    row = 0
+    for q_len, slot in zip(query_lens, slots):
+        if slot > 0:
+            if stack and stack[-1] == slot - 1 and ends[-1] == row:
+                ends[-1] = row + q_len
+            else:
+                starts.append(row)
+                ends.append(row + q_len)
+                stack.append(slot - 1)
+        row += q_len
+    if not stack:
+        return None
+
+    def tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32).to(device)
+
+    return LoraSegments(starts, ends, stack, tensor(starts), tensor(ends), tensor(stack))
+
+
+@dataclass
+class LoraContext:
+    """What every adapted layer shares: each slot's scale, the implementation,
+    and the segments of the step being run (None outside a step with adapter
+    rows)."""
+
+    # [slots] float32: lora_alpha / r (or / sqrt(r) with rslora); 0 when empty.
+    scales: torch.Tensor
+    # One of KERNELS.
+    kernel: str = "torch"
+    segments: LoraSegments | None = None
+
+
+@dataclass
+class LoraWeights:
+    """One linear layer's stacked adapters (see the module comment)."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    # [pieces + 1] output-row boundaries of the fused pieces on this rank.
+    bounds: list[int]
+    context: LoraContext = field(repr=False)
+    # [slots, pieces] int32, and the same as lists (host side).
+    ranks: torch.Tensor = field(init=False)
+    rank_lists: list[list[int]] = field(init=False)
+    bounds_t: torch.Tensor = field(init=False)
+
+    def __post_init__(self):
+        slots, pieces = self.a.shape[:2]
+        self.ranks = torch.zeros(slots, pieces, dtype=torch.int32, device=self.a.device)
+        self.rank_lists = [[0] * pieces for _ in range(slots)]
+        self.bounds_t = torch.tensor(self.bounds, dtype=torch.int32, device=self.a.device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.a.nbytes + self.b.nbytes
+
+    def set_rank(self, stack_index: int, piece: int, rank: int) -> None:
+        self.ranks[stack_index, piece] = rank
+        self.rank_lists[stack_index][piece] = rank
+
+    def zero_slot_(self, stack_index: int) -> None:
+        self.a[stack_index].zero_()
+        self.b[stack_index].zero_()
+        for piece in range(self.a.shape[1]):
+            self.set_rank(stack_index, piece, 0)
+
+    def apply_(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Adds the step's adapter updates to y [T, out] (in place) for x [T, in]."""
+        seg = self.context.segments
+        if seg is None:
+            return
+        kernel = self.context.kernel
+        if kernel == "cpu":
+            lora_apply_cpu(y, x, self.a, self.b, self.bounds_t, seg.starts_t, seg.ends_t, seg.slots_t,
+                           self.ranks, self.context.scales)
+        elif kernel == "triton":
+            from sluice_kernels.triton.lora import lora_apply_triton
+
+            lora_apply_triton(y, x, self.a, self.b, self.bounds_t, seg.starts_t, seg.ends_t, seg.slots_t,
+                              self.ranks, self.context.scales, seg.max_rows)
+        else:
+            lora_apply_reference(y, x, self.a, self.b, self.bounds, seg.starts, seg.ends, seg.slots,
+                                 self.rank_lists, self.context.scales)
