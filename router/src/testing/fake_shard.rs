@@ -58,6 +58,10 @@ pub struct FakeShardConfig {
     /// Chance that a generated token repeats the one `echo_period` back.
     pub echo_probability: f64,
     pub echo_period: usize,
+    /// When not empty: every request generates these tokens, then EOS,
+    /// whatever its grammar says (a model's exact output, for the parsers
+    /// reading it).
+    pub script: Vec<u32>,
 }
 
 impl Default for FakeShardConfig {
@@ -72,6 +76,7 @@ impl Default for FakeShardConfig {
             grammar: None,
             echo_probability: 0.0,
             echo_period: 8,
+            script: Vec::new(),
         }
     }
 }
@@ -417,7 +422,9 @@ fn verify(config: &FakeShardConfig, r: &mut FakeRequest, draft: &[u32]) -> Resul
     for i in 0..=draft.len() {
         let generated = r.tokens.len() - r.num_prompt_tokens;
         let may_end = generated >= r.params.min_tokens as usize;
-        let (token_id, logprob) = if r.grammar.is_empty() {
+        let (token_id, logprob) = if !config.script.is_empty() {
+            (config.script.get(generated).copied().unwrap_or(config.eos_token_id), -0.5)
+        } else if r.grammar.is_empty() {
             next_token(config, &r.tokens, may_end)
         } else {
             (constrained_token(config, r, may_end)?, next_token(config, &r.tokens, may_end).1)
