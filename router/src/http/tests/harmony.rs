@@ -13,7 +13,6 @@ use super::{build_with_shard, call, post, Setup};
 use crate::harmony::tests::{token_ids, VOCAB};
 use crate::harmony::{CALL, CHANNEL, CONSTRAIN, END, MESSAGE, RETURN, START};
 use crate::reasoning::ReasoningParserKind;
-use crate::validation::RequestLimits;
 
 const THOUGHT: &str = "The user asks 2+2.";
 const ANSWER: &str = "2 + 2 = 4.";
@@ -38,21 +37,14 @@ fn analysis_tokens(text: &str) -> usize {
     token_ids(&[CHANNEL, "analysis", MESSAGE, text, END]).len()
 }
 
+/// The structured-output tests' room for long prompts; the shard replays `script`.
 fn setup(script: Vec<u32>) -> Setup {
-    let mut setup = Setup::default();
+    let mut setup = super::structured::setup();
     setup.reasoning = Some(ReasoningParserKind::GptOss);
     setup.fake.vocab_size = VOCAB;
-    setup.fake.num_blocks = 1024;
+    // The script is the output: no grammar picks the tokens.
+    setup.fake.grammar = None;
     setup.fake.script = script;
-    setup.limits = Some(RequestLimits {
-        max_input_tokens: 1024,
-        max_total_tokens: 1200,
-        max_stop_sequences: 4,
-        max_top_n_tokens: 5,
-        max_n: 4,
-        max_client_batch_size: 3,
-        max_sequences: 8,
-    });
     setup
 }
 
