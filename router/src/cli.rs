@@ -37,7 +37,7 @@ use crate::scheduler::{self, SchedulerConfig};
 use crate::tokenizer::Tokenizer;
 use crate::validation::{GenerationDefaults, RequestLimits, Validation};
 use crate::tool_calls::{ToolFormat, ToolParserKind};
-use crate::reasoning::{ReasoningFormat, ReasoningParserKind};
+use crate::reasoning::{Reasoning, ReasoningParserKind};
 use crate::http::responses::store::ResponseStore;
 
 /// How long to keep retrying the first connection to rank 0 (the launcher
@@ -231,12 +231,9 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
     });
     tracing::info!(tool_call_parser = tool_parser.name(), "tool calls");
     let tool_format = ToolFormat::new(tool_parser, &files.tokenizer);
-    let reasoning_parser = config
-        .serving
-        .reasoning_parser
-        .or_else(|| files.chat_template.as_ref().and_then(|t| ReasoningParserKind::from_template(t.source())));
+    let reasoning = reasoning(config, &files)?;
+    let reasoning_parser = reasoning.as_ref().map(Reasoning::kind);
     tracing::info!(reasoning_parser = reasoning_parser.map_or("none", ReasoningParserKind::name), "reasoning");
-    let reasoning = reasoning_parser.map(|kind| ReasoningFormat::for_tokenizer(kind, &files.tokenizer));
     let state = Arc::new(AppState {
         infer: infer.clone(),
         validation: Validation {
@@ -333,6 +330,25 @@ async fn load_startup_adapters(config: &RouterConfig, state: &AppState) -> Resul
         );
     }
     Ok(())
+}
+
+/// `--reasoning-parser`, or the one the chat template writes for: a
+/// parser the tokenizer cannot serve is an error when asked for, and off
+/// (with a warning) when only the template suggested it.
+fn reasoning(config: &RouterConfig, files: &ModelFiles) -> Result<Option<Reasoning>, String> {
+    if let Some(kind) = config.serving.reasoning_parser {
+        return Reasoning::new(kind, &files.tokenizer).map(Some).map_err(|e| e.to_string());
+    }
+    let Some(kind) = files.chat_template.as_ref().and_then(|t| ReasoningParserKind::from_template(t.source())) else {
+        return Ok(None);
+    };
+    match Reasoning::new(kind, &files.tokenizer) {
+        Ok(reasoning) => Ok(Some(reasoning)),
+        Err(e) => {
+            tracing::warn!("the chat template suggests a reasoning parser, left off: {e}");
+            Ok(None)
+        }
+    }
 }
 
 /// The Batch API's runner: as many lines in flight as one step may run,

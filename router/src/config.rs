@@ -110,8 +110,10 @@ pub struct ServingFlags {
     pub tool_call_parser: Option<crate::tool_calls::ToolParserKind>,
     /// How the model thinks, split off the answer into `reasoning_content`
     /// (and the Responses and Anthropic APIs' reasoning/thinking items):
-    /// qwen3 or deepseek_r1. Default: chosen from the chat template (one that
-    /// writes <think> is a reasoning model's); none otherwise.
+    /// qwen3, deepseek_r1 or gpt_oss (alias harmony: gpt-oss's channels,
+    /// which carry its tool calls too). Default: chosen from the chat
+    /// template (one that writes harmony's channels is gpt-oss's, one that
+    /// writes <think> a reasoning model's); none otherwise.
     #[arg(long, env = "SLUICE_REASONING_PARSER", value_enum)]
     pub reasoning_parser: Option<crate::reasoning::ReasoningParserKind>,
     /// The most responses /v1/responses keeps for `previous_response_id`

@@ -30,7 +30,8 @@
 //! declared tools into such a grammar and parses calls back out of the text;
 //! `reasoning` splits a reasoning model's thinking off the answer (and puts
 //! the answer's grammar after it); `harmony` splits gpt-oss's channels
-//! (reasoning, tool calls, answer), not yet wired into the chat endpoints.
+//! (reasoning, tool calls, answer; `--reasoning-parser gpt_oss`), and
+//! `http::answer` reads each choice's output through one or the other.
 //!
 //! The Batch API (`batch`): uploaded JSONL files and batches kept in an
 //! SQLite file under `--data-dir`; its runner sends each line through the

@@ -40,9 +40,10 @@ pub enum Constraint {
     /// A Lark grammar (llguidance's dialect: `%json`, lazy lexemes, special
     /// tokens as `<[id]>`).
     Lark(String),
-    /// `answer` after a reasoning model's thinking block: `main` is a Lark
+    /// `answer` after a reasoning model's thinking: `main` is a Lark
     /// grammar that refers to the answer's grammar as `@answer`
-    /// (`reasoning::ReasoningFormat::after_thinking` writes it).
+    /// (`reasoning::ReasoningFormat::after_thinking` and
+    /// `harmony::HarmonyFormat::final_answer` write it).
     AfterThinking { main: String, answer: Box<Constraint> },
 }
 

@@ -21,7 +21,8 @@
 //! output to (optionally) one analysis message, then one call of a declared
 //! function with arguments valid under its schema ([`HarmonyFormat::grammar`]);
 //! `auto` leaves the model to choose (harmony's own structure is what it was
-//! trained on); `none` shows it no tools.
+//! trained on); `none` shows it no tools. A response format constrains the
+//! final channel's message ([`HarmonyFormat::final_answer`]).
 
 pub mod stream;
 
@@ -101,18 +102,9 @@ impl HarmonyFormat {
             ToolChoice::Required => tools.iter().collect(),
         };
         let t = &self.tokens;
-        let token = |id: u32| format!("<[{id}]>");
         let mut rules = vec![
             "start: analysis? call".to_string(),
-            // TEXT is any text: it cannot hold a special token, so <|end|> ends it.
-            format!(
-                "analysis: {} \"analysis\" {} TEXT {} {} \"assistant\"",
-                token(t.channel),
-                token(t.message),
-                token(t.end),
-                token(t.start)
-            ),
-            "TEXT: /(?s:.*)/".to_string(),
+            self.analysis_rule(),
             format!("call: {}", (0..declared.len()).map(|i| format!("call{i}")).collect::<Vec<_>>().join(" | ")),
         ];
         for (i, function) in declared.iter().enumerate() {
@@ -129,6 +121,42 @@ impl HarmonyFormat {
         }
         Some(Constraint::Lark(rules.join("\n") + "\n"))
     }
+
+    /// `answer` (a response format) as the final channel's message, after
+    /// (optionally) one analysis message:
+    ///
+    /// ```text
+    ///   start: analysis? <channel> "final" <message> @answer
+    /// ```
+    /// The model's `<|return|>` (an EOS token) ends the output after it.
+    pub fn final_answer(&self, answer: Constraint) -> Constraint {
+        let t = &self.tokens;
+        let main = format!(
+            "start: analysis? {} \"final\" {} @answer\n{}\n",
+            token(t.channel),
+            token(t.message),
+            self.analysis_rule()
+        );
+        Constraint::AfterThinking { main, answer: Box::new(answer) }
+    }
+
+    /// One analysis message and the next message's opening (TEXT is any
+    /// text: it cannot hold a special token, so <|end|> ends it).
+    fn analysis_rule(&self) -> String {
+        let t = &self.tokens;
+        format!(
+            "analysis: {} \"analysis\" {} TEXT {} {} \"assistant\"\nTEXT: /(?s:.*)/",
+            token(t.channel),
+            token(t.message),
+            token(t.end),
+            token(t.start)
+        )
+    }
+}
+
+/// A special token in llguidance's Lark.
+fn token(id: u32) -> String {
+    format!("<[{id}]>")
 }
 
 /// What a message's header says it is.
@@ -168,4 +196,4 @@ pub fn normalized_arguments(text: &str) -> String {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

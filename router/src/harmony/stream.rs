@@ -48,6 +48,10 @@ pub struct HarmonyParser {
     /// The arguments of the call being read, as written.
     arguments: String,
     events: Vec<HarmonyEvent>,
+    /// Tokens read since the last message ended (its successor's so far).
+    message_tokens: u32,
+    /// Tokens of the analysis messages that ended, headers included.
+    reasoning_tokens: u32,
 }
 
 impl HarmonyParser {
@@ -60,6 +64,17 @@ impl HarmonyParser {
             calls: Vec::new(),
             arguments: String::new(),
             events: Vec::new(),
+            message_tokens: 0,
+            reasoning_tokens: 0,
+        }
+    }
+
+    /// Tokens spent in analysis messages (their headers and end tokens
+    /// included): OpenAI's `completion_tokens_details.reasoning_tokens`.
+    pub fn reasoning_tokens(&self) -> u32 {
+        match self.state {
+            State::Body(Channel::Analysis) => self.reasoning_tokens + self.message_tokens,
+            _ => self.reasoning_tokens,
         }
     }
 
@@ -70,6 +85,20 @@ impl HarmonyParser {
 
     /// Reads one generated token: its id and its text.
     pub fn push(&mut self, token_id: u32, text: &str) -> Vec<HarmonyEvent> {
+        if self.state != State::Done {
+            self.message_tokens += 1;
+        }
+        self.read(token_id, text)
+    }
+
+    /// Reads text that is no token's (the detokenizer releases some at the
+    /// end): text in whatever part of a message is being read.
+    pub fn push_text(&mut self, text: &str) -> Vec<HarmonyEvent> {
+        // No vocabulary reaches u32::MAX: the id is no header token.
+        self.read(u32::MAX, text)
+    }
+
+    fn read(&mut self, token_id: u32, text: &str) -> Vec<HarmonyEvent> {
         let t = self.tokens;
         match (&self.state, token_id) {
             (State::Done, _) => {}
@@ -119,7 +148,7 @@ impl HarmonyParser {
             let held = std::mem::take(&mut self.header);
             self.content(held);
         }
-        if matches!(self.state, State::Body(Channel::Call(_))) {
+        if matches!(self.state, State::Body(_)) {
             self.end_message();
         }
         self.state = State::Done;
@@ -158,5 +187,9 @@ impl HarmonyParser {
         if let (State::Body(Channel::Call(_)), Some(call)) = (&self.state, self.calls.last_mut()) {
             call.arguments = normalized_arguments(&std::mem::take(&mut self.arguments));
         }
+        if self.state == State::Body(Channel::Analysis) {
+            self.reasoning_tokens += self.message_tokens;
+        }
+        self.message_tokens = 0;
     }
 }

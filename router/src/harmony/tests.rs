@@ -7,9 +7,20 @@ use crate::tool_calls::stream::ToolEvent;
 
 const SPECIALS: [&str; 7] = [START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL];
 
+/// The vocabulary of [`harmony_tokenizer`]; `<|return|>` and `<|call|>`
+/// are its last two ids (gpt-oss's EOS tokens, with `</s>`).
+pub(crate) const VOCAB: u32 = 274;
+pub(crate) const EOS: [u32; 3] = [2, 272, 273];
+
+/// A harmony chat template: what gpt-oss's writes, without its system
+/// preamble and tool namespace.
+pub(crate) const TEMPLATE: &str = "{% for m in messages %}<|start|>{{ m.role }}\
+{% if m.role == 'assistant' %}<|channel|>final{% endif %}<|message|>{{ m.content }}<|end|>{% endfor %}\
+{% if add_generation_prompt %}<|start|>assistant{% endif %}";
+
 /// The detokenizer tests' byte-fallback vocabulary (267 tokens) with
 /// harmony's seven special tokens after it (ids 267..274).
-fn harmony_tokenizer() -> Tokenizer {
+pub(crate) fn harmony_tokenizer() -> Tokenizer {
     let mut inner = crate::detokenize::tests::byte_fallback_inner();
     let added: Vec<tokenizers::AddedToken> =
         SPECIALS.iter().map(|t| tokenizers::AddedToken::from(t.to_string(), true)).collect();
@@ -19,6 +30,34 @@ fn harmony_tokenizer() -> Tokenizer {
 
 fn tokens() -> HarmonyTokens {
     HarmonyTokens::new(&harmony_tokenizer()).expect("every harmony token is special")
+}
+
+/// The validation tests' validator for a gpt-oss model: harmony's tokens,
+/// template and reasoning parser, room for a few hundred byte tokens.
+pub(crate) fn validation() -> crate::validation::Validation {
+    let tokenizer = harmony_tokenizer();
+    let mut v = crate::validation::tests::validation();
+    v.chat_template = Some(std::sync::Arc::new(
+        crate::chat_template::ChatTemplate::new(TEMPLATE.into(), None, None).unwrap(),
+    ));
+    v.vocab_size = VOCAB;
+    v.grammar = Some(std::sync::Arc::new(GrammarCompiler::new(&tokenizer, VOCAB, &EOS).unwrap()));
+    v.reasoning = Some(crate::reasoning::Reasoning::new(crate::reasoning::ReasoningParserKind::GptOss, &tokenizer).unwrap());
+    v.tokenizer = tokenizer;
+    v
+}
+
+/// An output's token ids: special tokens by name, text as byte tokens (3 + byte).
+pub(crate) fn token_ids(parts: &[&str]) -> Vec<u32> {
+    let t = tokens();
+    let ids = [t.start, t.end, t.message, t.channel, t.constrain, t.return_, t.call];
+    parts
+        .iter()
+        .flat_map(|part| match SPECIALS.iter().position(|s| s == part) {
+            Some(i) => vec![ids[i]],
+            None => part.bytes().map(|b| 3 + u32::from(b)).collect(),
+        })
+        .collect()
 }
 
 /// An output as (token id, text) pieces: special tokens by name, text in
@@ -162,4 +201,95 @@ fn required_and_named_grammars_compile_and_auto_has_none() {
     }
     assert!(format.grammar(&tools, &ToolChoice::Auto).is_none());
     assert!(format.grammar(&tools, &ToolChoice::None).is_none());
+}
+
+/// Runs `ids` through `constraint`'s matcher: accepted, and may the output
+/// end there.
+fn matches(constraint: &Constraint, ids: &[u32]) -> (bool, bool) {
+    let compiler = GrammarCompiler::new(&harmony_tokenizer(), VOCAB, &EOS).unwrap();
+    let compiled = compiler.compile(constraint).unwrap_or_else(|e| panic!("{e}\n{constraint:?}"));
+    let mut matcher = compiler.matcher(&compiled.0).unwrap();
+    if matcher.consume_tokens(ids).is_err() {
+        return (false, false);
+    }
+    let done = matcher.is_stopped() || matcher.compute_mask().map(|mask| mask.is_allowed(EOS[0])).unwrap_or(false);
+    (true, done)
+}
+
+#[test]
+fn the_named_grammar_takes_a_harmony_call_of_that_function_only() {
+    let weather = FunctionDefinition {
+        name: "get_weather".into(),
+        description: None,
+        parameters: Some(json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})),
+        strict: None,
+    };
+    let format = HarmonyFormat::new(&harmony_tokenizer()).unwrap();
+    let grammar = format.grammar(&[weather], &ToolChoice::Named("get_weather".into())).unwrap();
+    let call = |name: &str, arguments: &str| {
+        [CHANNEL, "commentary to=functions.", name, " ", CONSTRAIN, "json", MESSAGE, arguments, CALL].concat()
+    };
+    let thought = [CHANNEL, "analysis", MESSAGE, "Paris, then.", END, START, "assistant"].concat();
+    let split = |text: &str| -> Vec<u32> {
+        // Special tokens by name, the rest as bytes.
+        let mut parts: Vec<&str> = Vec::new();
+        let mut rest = text;
+        while !rest.is_empty() {
+            match SPECIALS.iter().filter_map(|s| rest.find(s).map(|i| (i, *s))).min() {
+                Some((0, special)) => {
+                    parts.push(special);
+                    rest = &rest[special.len()..];
+                }
+                Some((i, _)) => {
+                    parts.push(&rest[..i]);
+                    rest = &rest[i..];
+                }
+                None => {
+                    parts.push(rest);
+                    rest = "";
+                }
+            }
+        }
+        token_ids(&parts)
+    };
+    let good = call("get_weather", "{\"city\": \"Paris\"}");
+    assert_eq!(matches(&grammar, &split(&good)), (true, true));
+    assert_eq!(matches(&grammar, &split(&(thought.clone() + &good))), (true, true));
+    assert_eq!(matches(&grammar, &split(&call("now", "{}"))).0, false, "an undeclared function");
+    assert_eq!(matches(&grammar, &split(&call("get_weather", "{\"town\": 1}"))).0, false, "arguments off the schema");
+    assert_eq!(matches(&grammar, &split(&[CHANNEL, "final", MESSAGE, "Hi"].concat())).0, false, "no call");
+
+    // A response format is the final channel's message.
+    let json = format.final_answer(Constraint::JsonObject);
+    let answer = [thought.as_str(), CHANNEL, "final", MESSAGE, "{\"a\": 1}"].concat();
+    assert_eq!(matches(&json, &split(&answer)), (true, true));
+    assert_eq!(matches(&json, &split(&[CHANNEL, "final", MESSAGE, "{\"a\""].concat())), (true, false), "unfinished");
+    assert_eq!(matches(&json, &split(&[CHANNEL, "final", MESSAGE, "plain"].concat())).0, false);
+}
+
+#[test]
+fn analysis_tokens_are_reasoning_tokens() {
+    let mut parser = HarmonyParser::new(tokens());
+    let mut read = |parts: &[&str]| {
+        let pieces = output(parts, 1);
+        for (id, text) in &pieces {
+            parser.push(*id, text);
+        }
+        (pieces.len() as u32, parser.reasoning_tokens())
+    };
+    // Tokens: <|channel|>, 8 of "analysis", <|message|>, 3 of "Hm.", <|end|>.
+    let (first, counted) = read(&[CHANNEL, "analysis", MESSAGE, "Hm.", END]);
+    assert_eq!((first, counted), (14, 14));
+    let (second, counted) = read(&[START, "assistant", CHANNEL, "analysis", MESSAGE, "More"]);
+    assert_eq!(counted, first + second, "an analysis message being read counts");
+    let (_, counted) = read(&[END, START, "assistant", CHANNEL, "final", MESSAGE, "Yes", RETURN]);
+    assert_eq!(counted, first + second + 1, "its <|end|> too; the final message does not");
+}
+
+#[test]
+fn a_harmony_template_picks_the_gpt_oss_parser() {
+    use crate::reasoning::ReasoningParserKind;
+    assert_eq!(ReasoningParserKind::from_template(TEMPLATE), Some(ReasoningParserKind::GptOss));
+    let plain = crate::detokenize::tests::byte_fallback_tokenizer();
+    assert!(crate::reasoning::Reasoning::new(ReasoningParserKind::GptOss, &plain).is_err());
 }

@@ -14,6 +14,7 @@ use tower::ServiceExt;
 use super::{app, liveness, readiness, AppState, HttpOptions, Info};
 use crate::testing::fake_shard::{FakeShard, FakeShardConfig, FakeShardHandle};
 use crate::infer::{InferError, SchedulerFailure, SchedulerStats, ShardInfo, TokenCounts};
+use crate::reasoning::{Reasoning, ReasoningParserKind};
 use crate::scheduler::{spawn, SchedulerConfig, StepDeadline};
 
 struct Setup {
@@ -27,7 +28,7 @@ struct Setup {
     cors_allow_origin: Vec<String>,
     web_ui: bool,
     /// The model thinks like this (`--reasoning-parser`).
-    reasoning: Option<crate::reasoning::ReasoningParserKind>,
+    reasoning: Option<ReasoningParserKind>,
     step_deadline: StepDeadline,
     metrics_auth: bool,
 }
@@ -93,12 +94,19 @@ fn build_with_shard(setup: Setup) -> (Router, Arc<AppState>, FakeShardHandle) {
     let max_loras = fake.max_loras;
     let (shard, handle) = FakeShard::new(fake);
     let infer = spawn(shard, config, info);
-    let mut validation = crate::validation::tests::validation();
+    // gpt-oss needs harmony's special tokens and template.
+    let mut validation = match setup.reasoning {
+        Some(ReasoningParserKind::GptOss) => crate::harmony::tests::validation(),
+        kind => {
+            let mut validation = crate::validation::tests::validation();
+            validation.reasoning = kind.map(|kind| Reasoning::new(kind, &validation.tokenizer).expect("a tagged parser"));
+            validation
+        }
+    };
     validation.adapters = infer.adapters.clone();
     if let Some(limits) = setup.limits {
         validation.limits = limits;
     }
-    validation.reasoning = setup.reasoning.map(crate::reasoning::ReasoningFormat::new);
     let limits = validation.limits.clone();
     let state = Arc::new(AppState {
         infer,
@@ -133,7 +141,7 @@ fn build_with_shard(setup: Setup) -> (Router, Arc<AppState>, FakeShardHandle) {
             hourly_cost: setup.hourly_cost,
             speculation: None,
             batch_min_share: 0.1,
-            reasoning_parser: None,
+            reasoning_parser: setup.reasoning.map(|kind| kind.name().to_string()),
             lora: (max_loras > 0).then_some(super::LoraInfo { max_loras, max_lora_rank: 16, lora_bytes: 1024 }),
         },
         metrics: crate::metrics::install(),
@@ -176,6 +184,7 @@ async fn post(app: &Router, path: &str, body: Value) -> (StatusCode, Value) {
 
 mod apis;
 mod lora;
+mod harmony;
 mod structured;
 mod webui;
 

@@ -12,7 +12,16 @@
 //!                                                    writes an empty block into the prompt
 //!   deepseek_r1  ...\n</think>\n\nanswer             the template opens the block in the
 //!                                                    prompt: the output starts inside it
+//!   gpt_oss      <|channel|>analysis<|message|>...     gpt-oss's harmony channels (`crate::harmony`):
+//!                <|end|><|start|>assistant<|channel|>  the analysis channel is the thinking, a
+//!                final<|message|>answer<|return|>      commentary message to a function a tool
+//!                                                      call, the final channel the answer
 //! ```
+//!
+//! Harmony is more than a thinking block: its channels carry the tool calls
+//! too, so with `gpt_oss` the harmony parser reads the whole output (in
+//! place of the tags and of `--tool-call-parser`), and the tools' grammar
+//! and a response format's are harmony messages ([`Reasoning::Harmony`]).
 //!
 //! Where the output starts is read from the rendered prompt
 //! ([`ReasoningFormat::start`]): a prompt that ends in an open block starts
@@ -25,6 +34,7 @@
 pub mod stream;
 
 use crate::grammar::{lark_literal, Constraint};
+use crate::harmony::{HarmonyFormat, HarmonyTokens};
 use crate::tokenizer::Tokenizer;
 
 /// The model families' ways of thinking (`--reasoning-parser`).
@@ -34,6 +44,9 @@ pub enum ReasoningParserKind {
     Qwen3,
     #[value(name = "deepseek_r1")]
     DeepseekR1,
+    /// gpt-oss's harmony channels (`harmony` is accepted too).
+    #[value(name = "gpt_oss", alias = "harmony")]
+    GptOss,
 }
 
 impl ReasoningParserKind {
@@ -41,13 +54,18 @@ impl ReasoningParserKind {
         match self {
             Self::Qwen3 => "qwen3",
             Self::DeepseekR1 => "deepseek_r1",
+            Self::GptOss => "gpt_oss",
         }
     }
 
     /// The family a chat template thinks like, when it says: a template that
-    /// writes `<think>` is a reasoning model's; DeepSeek's role markers tell
-    /// R1 from Qwen3. `None`: not a reasoning model (or not obviously one).
+    /// writes harmony's channels is gpt-oss's; one that writes `<think>` is
+    /// a reasoning model's, DeepSeek's role markers telling R1 from Qwen3.
+    /// `None`: not a reasoning model (or not obviously one).
     pub fn from_template(source: &str) -> Option<Self> {
+        if crate::harmony::is_harmony_template(source) {
+            return Some(Self::GptOss);
+        }
         if !source.contains(OPEN) {
             return None;
         }
@@ -57,6 +75,56 @@ impl ReasoningParserKind {
             Some(Self::Qwen3)
         }
     }
+}
+
+/// How this model's output is read (`--reasoning-parser`, resolved
+/// against the tokenizer at start).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reasoning {
+    /// A tagged thinking block before the answer (qwen3, deepseek_r1).
+    Tags(ReasoningFormat),
+    /// gpt-oss's harmony channels.
+    Harmony(HarmonyFormat),
+}
+
+/// The tokenizer lacks what the reasoning parser reads.
+#[derive(Debug, thiserror::Error)]
+#[error("--reasoning-parser {0}: the tokenizer lacks harmony's special tokens (<|channel|>, <|message|>, ...)")]
+pub struct MissingTokens(&'static str);
+
+impl Reasoning {
+    pub fn new(kind: ReasoningParserKind, tokenizer: &crate::tokenizer::Tokenizer) -> Result<Self, MissingTokens> {
+        match kind {
+            ReasoningParserKind::GptOss => {
+                HarmonyFormat::new(tokenizer).map(Self::Harmony).ok_or(MissingTokens(kind.name()))
+            }
+            _ => Ok(Self::Tags(ReasoningFormat::for_tokenizer(kind, tokenizer))),
+        }
+    }
+
+    pub fn kind(&self) -> ReasoningParserKind {
+        match self {
+            Self::Tags(format) => format.kind,
+            Self::Harmony(_) => ReasoningParserKind::GptOss,
+        }
+    }
+
+    /// How the output of `prompt` (as the chat template rendered it) is read.
+    pub fn for_prompt(&self, prompt: &str) -> PromptReasoning {
+        match self {
+            Self::Tags(format) => PromptReasoning::Tags(format.clone(), format.start(prompt)),
+            Self::Harmony(format) => PromptReasoning::Harmony(format.tokens),
+        }
+    }
+}
+
+/// How one request's output is read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PromptReasoning {
+    /// The tags, and where this prompt's output starts relative to them.
+    Tags(ReasoningFormat, ThinkStart),
+    /// Harmony, read by its special tokens' ids.
+    Harmony(HarmonyTokens),
 }
 
 const OPEN: &str = "<think>";
@@ -89,7 +157,7 @@ pub struct ReasoningFormat {
 
 impl ReasoningFormat {
     pub fn new(kind: ReasoningParserKind) -> Self {
-        // Both families use the same tags; they differ in who opens them.
+        // The tagged families use the same tags; they differ in who opens them.
         Self { kind, open: OPEN, close: CLOSE, tags_are_tokens: false }
     }
 
@@ -116,8 +184,8 @@ impl ReasoningFormat {
             return ThinkStart::Closed;
         }
         match self.kind {
-            ReasoningParserKind::Qwen3 => ThinkStart::MayOpen,
             ReasoningParserKind::DeepseekR1 => ThinkStart::Inside,
+            ReasoningParserKind::Qwen3 | ReasoningParserKind::GptOss => ThinkStart::MayOpen,
         }
     }
 

@@ -68,6 +68,10 @@ pub struct FakeShardConfig {
     pub echo_period: usize,
     /// Adapter slots (0: LoRA off).
     pub max_loras: u32,
+    /// When not empty: every request generates these tokens, then EOS,
+    /// whatever its grammar says (a model's exact output, for the parsers
+    /// reading it).
+    pub script: Vec<u32>,
 }
 
 impl Default for FakeShardConfig {
@@ -83,6 +87,7 @@ impl Default for FakeShardConfig {
             echo_probability: 0.0,
             echo_period: 8,
             max_loras: 0,
+            script: Vec::new(),
         }
     }
 }
@@ -477,7 +482,9 @@ fn verify(config: &FakeShardConfig, r: &mut FakeRequest, draft: &[u32]) -> Resul
     for i in 0..=draft.len() {
         let generated = r.tokens.len() - r.num_prompt_tokens;
         let may_end = generated >= r.params.min_tokens as usize;
-        let (token_id, logprob) = if r.grammar.is_empty() {
+        let (token_id, logprob) = if !config.script.is_empty() {
+            (config.script.get(generated).copied().unwrap_or(config.eos_token_id), -0.5)
+        } else if r.grammar.is_empty() {
             next_token_from(config, r.seed, &r.tokens, may_end)
         } else {
             (constrained_token(config, r, may_end)?, next_token_from(config, r.seed, &r.tokens, may_end).1)

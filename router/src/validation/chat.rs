@@ -1,7 +1,9 @@
 //! Chat requests of every API (OpenAI chat, Responses, Anthropic Messages):
 //! messages rendered with the request's template variables, the output's
 //! one constraint (a response format or the tools' grammar) applied after a
-//! reasoning model's thinking, then the usual checks.
+//! reasoning model's thinking (for harmony: a response format constrains
+//! the final channel, the tools' grammar is harmony's own), then the usual
+//! checks.
 
 use super::constraints::{one_constraint, ValidTools};
 use super::error::ValidationError;
@@ -9,7 +11,7 @@ use super::params::{GenerateParameters, Prompt};
 use super::validate::{Validated, Validation};
 use crate::chat_template::{TemplateKwargs, TemplateMessage, STANDARD_VARIABLES};
 use crate::grammar::Constraint;
-use crate::reasoning::{ReasoningFormat, ThinkStart};
+use crate::reasoning::{PromptReasoning, Reasoning};
 
 /// A chat request as its handler read it.
 pub struct ChatInput<'a> {
@@ -26,9 +28,8 @@ pub struct ChatInput<'a> {
 /// A chat request that passed validation.
 pub struct ValidChat {
     pub prompt: Validated,
-    /// With a reasoning parser: its tags and where this prompt's output
-    /// starts relative to the thinking block.
-    pub reasoning: Option<(ReasoningFormat, ThinkStart)>,
+    /// With a reasoning parser: how this prompt's output is read.
+    pub reasoning: Option<PromptReasoning>,
     /// The rendered prompt (the Responses API and tests read it).
     pub rendered: String,
 }
@@ -40,13 +41,16 @@ impl Validation {
         check_kwargs(input.kwargs)?;
         let shown = input.tools.and_then(ValidTools::shown);
         let rendered = self.render_chat_with_tools(input.messages, shown, input.kwargs)?;
-        let reasoning = self.reasoning.clone().map(|format| {
-            let start = format.start(&rendered);
-            (format, start)
-        });
-        let constraint = one_constraint(input.format, input.tools.and_then(|t| t.constraint.clone()))?;
+        let reasoning = self.reasoning.as_ref().map(|r| r.for_prompt(&rendered));
+        let format = match (&self.reasoning, input.format) {
+            (Some(Reasoning::Harmony(harmony)), Some((field, answer))) => Some((field, harmony.final_answer(answer))),
+            (_, format) => format,
+        };
+        let constraint = one_constraint(format, input.tools.and_then(|t| t.constraint.clone()))?;
         params.constraint = match (&reasoning, constraint) {
-            (Some((format, start)), Some((field, answer))) => Some((field, format.after_thinking(answer, *start))),
+            (Some(PromptReasoning::Tags(format, start)), Some((field, answer))) => {
+                Some((field, format.after_thinking(answer, *start)))
+            }
             (_, constraint) => constraint,
         };
         let mut prompts = self.validate_prompts(&[Prompt::Chat(rendered.clone())], "messages", &params)?;

@@ -6,6 +6,7 @@ use super::error::ValidationError;
 use super::params::ToolRequest;
 use super::validate::Validation;
 use crate::grammar::{CompiledGrammar, Constraint};
+use crate::reasoning::Reasoning;
 use crate::tool_calls::{FunctionDefinition, ToolChoice};
 
 /// Tools that passed validation.
@@ -94,10 +95,11 @@ impl Validation {
                 _ => Err(ValidationError::Empty { field: "tools".into() }),
             };
         }
-        let constraint = self
-            .tool_format
-            .grammar(&t.functions, &choice, t.parallel.unwrap_or(true))
-            .map(|grammar| ("tools".to_string(), grammar));
+        let grammar = match &self.reasoning {
+            Some(Reasoning::Harmony(harmony)) => harmony.grammar(&t.functions, &choice),
+            _ => self.tool_format.grammar(&t.functions, &choice, t.parallel.unwrap_or(true)),
+        };
+        let constraint = grammar.map(|grammar| ("tools".to_string(), grammar));
         Ok(Some(ValidTools { functions: t.functions.clone(), choice, constraint }))
     }
 }

@@ -38,7 +38,9 @@ pub struct Validation {
     /// How this model writes tool calls (`--tool-call-parser`).
     pub tool_format: ToolFormat,
     /// How this model thinks (`--reasoning-parser`); `None`: it does not.
-    pub reasoning: Option<crate::reasoning::ReasoningFormat>,
+    /// Harmony (gpt-oss) replaces `tool_format` too: its channels carry the
+    /// calls.
+    pub reasoning: Option<crate::reasoning::Reasoning>,
     /// The LoRA adapters a request may name (the scheduler keeps it current).
     pub adapters: AdapterCatalog,
 }

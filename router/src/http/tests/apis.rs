@@ -14,7 +14,7 @@ use crate::http::responses::items::OutputBuilder;
 use crate::http::responses::types::OutputItem;
 
 /// The (event name, JSON data) frames of a named-event SSE body.
-fn named_events(text: &str) -> Vec<(String, Value)> {
+pub(super) fn named_events(text: &str) -> Vec<(String, Value)> {
     text.split_terminator("\n\n")
         .map(|frame| {
             let (event, data) = frame.split_once('\n').unwrap_or_else(|| panic!("bad frame {frame:?}"));

@@ -58,7 +58,7 @@ fn chat(extra: Value) -> Value {
 }
 
 /// The streamed chunks' choice-0 deltas.
-fn deltas(text: &str) -> Vec<Value> {
+pub(super) fn deltas(text: &str) -> Vec<Value> {
     sse_payloads(text)
         .iter()
         .filter(|p| p.as_str() != "[DONE]")
