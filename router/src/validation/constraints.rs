@@ -2,20 +2,11 @@
 //! tokenizer (llguidance) or is a 400 naming its field; a chat request's
 //! tools are checked and turned into the grammar every output follows.
 
-use super::{Validation, ValidationError};
+use super::error::ValidationError;
+use super::params::ToolRequest;
+use super::validate::Validation;
 use crate::grammar::{CompiledGrammar, Constraint};
 use crate::tool_calls::{FunctionDefinition, ToolChoice};
-
-/// The tools of a chat request as its handler read them (OpenAI `tools`,
-/// `tool_choice`, `parallel_tool_calls`); [`Validation::tools`] checks them.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct ToolRequest {
-    pub functions: Vec<FunctionDefinition>,
-    /// `None`: not given (`auto` with tools, `none` without).
-    pub choice: Option<ToolChoice>,
-    /// `None`: not given (parallel calls allowed).
-    pub parallel: Option<bool>,
-}
 
 /// Tools that passed validation.
 #[derive(Debug, Clone, PartialEq)]

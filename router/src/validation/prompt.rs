@@ -2,19 +2,11 @@
 //! against the vocabulary, chat messages rendered by the model's template
 //! (with the request's tools shown to the model).
 
-use super::{Validation, ValidationError};
+use super::error::ValidationError;
+use super::params::Prompt;
+use super::validate::Validation;
 use crate::chat_template::{ChatTemplateError, TemplateMessage};
 use crate::tool_calls::FunctionDefinition;
-
-/// A prompt before tokenization.
-#[derive(Debug, Clone)]
-pub enum Prompt {
-    /// Raw text: gets the tokenizer's special tokens (BOS).
-    Text(String),
-    /// A chat template's output: it spells its special tokens already.
-    Chat(String),
-    Tokens(Vec<u64>),
-}
 
 impl Validation {
     #[tracing::instrument(level = "debug", name = "render_chat", skip_all)]

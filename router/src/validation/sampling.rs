@@ -1,35 +1,13 @@
 //! Sampling parameters and their ranges: the one set of ranges. The shard
 //! applies what passes here as it is (it checks no range of its own).
 
-use super::{out_of_range, Validation, ValidationError};
+use super::error::{out_of_range, ValidationError};
+use super::params::{Decoding, GenerateParameters};
+use super::validate::Validation;
 use crate::infer::SamplingParameters;
-use super::request::GenerateParameters;
 
 /// Most entries of `logit_bias` in one request (OpenAI allows 300).
 pub const MAX_LOGIT_BIAS: usize = 1024;
-
-/// Defaults from the model's generation_config.json, used by the OpenAI API
-/// for fields the client omitted (as vLLM does). TGI's API keeps TGI's
-/// defaults (greedy unless asked to sample).
-#[derive(Debug, Clone, Default, serde::Deserialize)]
-pub struct GenerationDefaults {
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
-    pub top_k: Option<i64>,
-    pub repetition_penalty: Option<f32>,
-}
-
-/// How an API chooses between greedy decoding and sampling.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Decoding {
-    /// OpenAI: sample at `temperature` (the API's default applied by its
-    /// handler); 0 or none is greedy.
-    #[default]
-    ByTemperature,
-    /// TGI: greedy unless `do_sample` or a warper (temperature != 1, top_k,
-    /// top_p, typical_p) is given; a temperature given must be > 0.
-    GreedyUnless { do_sample: bool },
-}
 
 impl Validation {
     pub(super) fn sampling(&self, p: &GenerateParameters) -> Result<SamplingParameters, ValidationError> {
