@@ -27,7 +27,7 @@ SCHEMAS = Path(__file__).parent / "schemas"
 # chart supports (Chart.yaml's kubeVersion: the preStop sleep action is 1.30).
 KUBERNETES_VERSIONS = [KUBE_VERSION, "1.30.0"]
 # Flags the chart sets from its own values rather than from `launcher`.
-CHART_OWNED_FLAGS = {"hostname", "port", "api-key", "prefix-caching"}
+CHART_OWNED_FLAGS = {"hostname", "port", "api-key", "prefix-caching", "web-ui"}
 # Environment variables the container gets that are not launcher flags:
 # who reads them.
 CHILD_ENV = {

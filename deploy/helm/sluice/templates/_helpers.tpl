@@ -82,7 +82,7 @@ The container's args: --hostname and --port from `server`, then every set
 key of `launcher` as --KEY[=VALUE] (sorted), then extraArgs.
 */}}
 {{- define "sluice.args" -}}
-{{- $owned := list "hostname" "port" "api-key" "prefix-caching" -}}
+{{- $owned := list "hostname" "port" "api-key" "prefix-caching" "web-ui" -}}
 - --hostname={{ .Values.server.hostname }}
 - --port={{ int64 .Values.server.port }}
 {{- range $name, $value := .Values.launcher }}
