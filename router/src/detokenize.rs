@@ -214,8 +214,8 @@ pub(crate) mod tests {
         let t = byte_fallback_tokenizer();
         let mut detok = Detokenizer::new(t.clone());
         // Special tokens decode to nothing; lone continuation bytes to U+FFFD.
-        let mut ids: Vec<u32> = std::iter::repeat(1).take(1000).collect();
-        ids.extend(std::iter::repeat(byte(0x80)).take(1000));
+        let mut ids: Vec<u32> = std::iter::repeat_n(1, 1000).collect();
+        ids.extend(std::iter::repeat_n(byte(0x80), 1000));
         ids.extend([263, 265]); // ▁Hello !
         let mut deltas = Vec::new();
         for &id in &ids {

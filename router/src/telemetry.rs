@@ -213,7 +213,7 @@ pub fn request_span(method: &str, path: &str, traceparent: Option<&str>) -> trac
     );
     let parent = traceparent.and_then(parse_traceparent);
     if let Some(parent) = &parent {
-        let _ = span.set_parent(Context::new().with_remote_span_context(parent.clone()));
+        span.set_parent(Context::new().with_remote_span_context(parent.clone()));
     }
     let trace_id = log_trace_id(span_context(&span).trace_id(), parent.as_ref());
     span.record("trace_id", tracing::field::display(trace_id));

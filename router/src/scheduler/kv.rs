@@ -114,10 +114,14 @@ impl KvCache {
         self.tree.as_ref().map_or(0, |t| t.num_blocks())
     }
 
+    // Used by the invariant checks, which run where debug assertions are on.
+    #[cfg_attr(not(debug_assertions), allow(dead_code))]
     pub fn ref_count(&self, block: BlockId) -> u32 {
         self.alloc.ref_count(block)
     }
 
+    // Used by the invariant checks, which run where debug assertions are on.
+    #[cfg_attr(not(debug_assertions), allow(dead_code))]
     pub fn is_cached(&self, block: BlockId) -> bool {
         self.tree.as_ref().is_some_and(|t| t.contains_block(block))
     }
@@ -186,7 +190,8 @@ impl KvCache {
     }
 
     /// `tables`: the block table of every running request. Call after
-    /// [`Self::reclaim`].
+    /// [`Self::reclaim`]. Runs where debug assertions are on.
+    #[cfg_attr(not(debug_assertions), allow(dead_code))]
     pub fn check_invariants<'a>(&self, tables: impl Iterator<Item = &'a [BlockId]>) {
         assert!(self.returns.lock().unwrap_or_else(|e| e.into_inner()).is_empty(), "returned blocks not reclaimed");
         self.alloc.check_invariants();

@@ -382,7 +382,8 @@ impl Scheduler {
     }
 
     /// Panics with a description of the first broken invariant (see the
-    /// module comment).
+    /// module comment). Runs after every step where debug assertions are on.
+    #[cfg_attr(not(debug_assertions), allow(dead_code))]
     pub(crate) fn check_invariants(&mut self) {
         self.kv.reclaim();
         assert!(self.running.len() <= self.config.max_batch_size as usize, "too many running requests");

@@ -219,9 +219,7 @@ impl ToolCallParser {
                 } else if !close.is_empty() && self.pending == close {
                     self.state = State::Text;
                     self.pending.clear();
-                } else if !((!separator.is_empty() && separator.starts_with(&self.pending))
-                    || (!close.is_empty() && close.starts_with(&self.pending)))
-                {
+                } else if !begins(separator, &self.pending) && !begins(close, &self.pending) {
                     self.back_to_text();
                 }
             }
@@ -358,4 +356,9 @@ fn string_end(s: &str) -> Option<usize> {
         }
     }
     None
+}
+
+/// Whether `pending` may still grow into the (non-empty) marker `marker`.
+fn begins(marker: &str, pending: &str) -> bool {
+    !marker.is_empty() && marker.starts_with(pending)
 }
