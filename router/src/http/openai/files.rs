@@ -66,17 +66,17 @@ pub async fn list(
     Ok(Json(batches_of(&state)?.files(after, limit).await?))
 }
 
-#[utoipa::path(get, path = "/v1/files/{id}", responses((status = 200, body = FileObject), (status = 404, body = crate::http::error::OpenAiErrorBody)))]
+#[utoipa::path(get, path = "/v1/files/{id}", params(("id" = String, Path, description = "the file's id")), responses((status = 200, body = FileObject), (status = 404, body = crate::http::error::OpenAiErrorBody)))]
 pub async fn get(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Result<Json<FileObject>, OpenAiError> {
     Ok(Json(batches_of(&state)?.file(&id).await?))
 }
 
-#[utoipa::path(delete, path = "/v1/files/{id}", responses((status = 200, body = DeletedFile), (status = 404, body = crate::http::error::OpenAiErrorBody)))]
+#[utoipa::path(delete, path = "/v1/files/{id}", params(("id" = String, Path, description = "the file's id")), responses((status = 200, body = DeletedFile), (status = 404, body = crate::http::error::OpenAiErrorBody)))]
 pub async fn delete(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Result<Json<DeletedFile>, OpenAiError> {
     Ok(Json(batches_of(&state)?.delete_file(&id).await?))
 }
 
-#[utoipa::path(get, path = "/v1/files/{id}/content", responses((status = 200, description = "the file's bytes"), (status = 404, body = crate::http::error::OpenAiErrorBody)))]
+#[utoipa::path(get, path = "/v1/files/{id}/content", params(("id" = String, Path, description = "the file's id")), responses((status = 200, description = "the file's bytes"), (status = 404, body = crate::http::error::OpenAiErrorBody)))]
 pub async fn content(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Result<Response, OpenAiError> {
     let content = batches_of(&state)?.file_content(&id).await?;
     Ok(([(header::CONTENT_TYPE, "application/octet-stream")], content).into_response())
