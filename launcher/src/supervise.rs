@@ -70,8 +70,11 @@ pub async fn run(args: Args) -> Result<()> {
     }
     let exes = Executables::find()?;
     router::check_port_free(&args)?;
-    // Before minutes of weight loading: the router would fail on it later.
-    sluice_router::batch::store::check_available(&args.serving.data_dir())?;
+    // Before minutes of weight loading: the router would fail on it later
+    // (the default folder in use only turns the Batch API off).
+    if let Some(dir) = &args.serving.data_dir {
+        sluice_router::batch::store::check_available(dir)?;
+    }
 
     let Some(model) = resolve::resolve(&exes.server, &args, lines, signals.recv()).await? else {
         return Ok(());

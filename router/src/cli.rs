@@ -17,6 +17,7 @@
 //! router with exit status 1: the launcher then stops the shards and exits
 //! non-zero too, and an orchestrator restarts the whole server.
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -25,6 +26,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 
 use crate::batch::runner::Runner;
+use crate::batch::store::StoreError;
 use crate::batch::{BatchConfig, Batches};
 use crate::chat_template::ChatTemplate;
 use crate::client::ShardGroup;
@@ -133,19 +135,7 @@ struct Started {
 async fn start(config: &RouterConfig) -> Result<Started, String> {
     let files = load_model_files(config)?;
     // Before the shards: a data folder in use by another server fails now.
-    let batches = Batches::open(BatchConfig {
-        data_dir: config.serving.data_dir(),
-        max_file_bytes: config.serving.batch_max_file_bytes as usize,
-        max_lines: config.serving.batch_max_lines as usize,
-        model: config.served_model_name().to_string(),
-        hourly_cost: config.serving.hourly_cost,
-    })
-    .map_err(|e| e.to_string())?;
-    tracing::info!(
-        data_dir = %config.serving.data_dir().display(),
-        batch_min_share = config.serving.batch_min_share,
-        "Batch API store open"
-    );
+    let batches = open_batches(config, config.serving.data_dir())?;
     let mut shards = connect(&config.master_shard_uds_path).await?;
     let shard_info = shards.info().await.map_err(|e| format!("Info failed: {e}"))?;
     let limits = config
@@ -303,7 +293,7 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
         api_key: config.serving.api_key.clone(),
         started: Instant::now(),
         cpu_work: AppState::cpu_workers(),
-        batches: Some(Arc::new(batches)),
+        batches: batches.map(Arc::new),
     });
     load_startup_adapters(config, &state).await?;
     spawn_batch_runner(&state, limits.max_batch_size as usize);
@@ -348,6 +338,39 @@ fn reasoning(config: &RouterConfig, files: &ModelFiles) -> Result<Option<Reasoni
             tracing::warn!("the chat template suggests a reasoning parser, left off: {e}");
             Ok(None)
         }
+    }
+}
+
+/// The Batch API's store. A `--data-dir` in use by another server is an
+/// error; the default one in use (a second server on the host, started
+/// without a folder of its own) leaves the Batch API off, with a warning,
+/// so that two servers on one machine need no flag to run.
+fn open_batches(config: &RouterConfig, data_dir: PathBuf) -> Result<Option<Batches>, String> {
+    let opened = Batches::open(BatchConfig {
+        data_dir: data_dir.clone(),
+        max_file_bytes: config.serving.batch_max_file_bytes as usize,
+        max_lines: config.serving.batch_max_lines as usize,
+        model: config.served_model_name().to_string(),
+        hourly_cost: config.serving.hourly_cost,
+    });
+    match opened {
+        Ok(batches) => {
+            tracing::info!(
+                data_dir = %data_dir.display(),
+                batch_min_share = config.serving.batch_min_share,
+                "Batch API store open"
+            );
+            Ok(Some(batches))
+        }
+        Err(StoreError::InUse(dir)) if config.serving.data_dir.is_none() => {
+            tracing::warn!(
+                "the Batch API is off: the default data folder {} is in use by another Sluice server \
+                 (give this one its own --data-dir to have it)",
+                dir.display()
+            );
+            Ok(None)
+        }
+        Err(e) => Err(e.to_string()),
     }
 }
 
@@ -458,5 +481,33 @@ async fn wait_for_signal() {
     tokio::select! {
         () = ctrl_c => {},
         () = terminate => {},
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_data_dir_in_use_is_an_error_when_given_and_turns_batches_off_by_default() {
+        let path = std::env::temp_dir().join(format!("sluice-cli-test-{}", uuid::Uuid::new_v4().simple()));
+        let dir = path.as_path();
+        let held = Batches::open(BatchConfig {
+            data_dir: dir.to_path_buf(),
+            max_file_bytes: 1 << 20,
+            max_lines: 10,
+            model: "m".into(),
+            hourly_cost: None,
+        })
+        .unwrap();
+        let given = dir.to_str().unwrap();
+        let explicit = RouterConfig::try_parse_from(["sluice-router", "--tokenizer", "t", "--data-dir", given]).unwrap();
+        let error = open_batches(&explicit, dir.to_path_buf()).err().expect("a given folder in use fails");
+        assert!(error.contains("in use by another Sluice server") && error.contains(given), "{error}");
+        let default = RouterConfig::try_parse_from(["sluice-router", "--tokenizer", "t"]).unwrap();
+        assert!(open_batches(&default, dir.to_path_buf()).unwrap().is_none(), "the default folder in use: off");
+        drop(held);
+        assert!(open_batches(&default, dir.to_path_buf()).unwrap().is_some(), "free again: on");
+        let _ = std::fs::remove_dir_all(dir);
     }
 }

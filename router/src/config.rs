@@ -213,8 +213,9 @@ pub struct ServingFlags {
           value_parser = clap::value_parser!(u32).range(1..))]
     pub speculate_max_step_tokens: u32,
     /// Folder of the Batch API's database (uploaded files, batches, their
-    /// results), created with mode 0700. One server per folder. Default:
-    /// $XDG_DATA_HOME/sluice, else ~/.local/share/sluice.
+    /// results), created with mode 0700. One server per folder: a given
+    /// folder in use is an error. Default: $XDG_DATA_HOME/sluice, else
+    /// ~/.local/share/sluice (in use by another server: the Batch API is off).
     #[arg(long, env = "SLUICE_DATA_DIR")]
     pub data_dir: Option<PathBuf>,
     /// Fraction of the running slots and of each step's token budget that

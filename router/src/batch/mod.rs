@@ -75,9 +75,12 @@ pub enum BatchError {
     /// The request does not fit the batch's state (HTTP 409).
     #[error("{0}")]
     Conflict(String),
-    /// This server runs without the Batch API (tests that build the app
-    /// without a store).
-    #[error("the Batch API is not enabled on this server")]
+    /// This server runs without the Batch API (its default data folder was
+    /// in use at start; tests that build the app without a store).
+    #[error(
+        "the Batch API is off on this server: its data folder was in use by another Sluice server when it \
+         started (start each server with its own --data-dir)"
+    )]
     Disabled,
     #[error(transparent)]
     Store(#[from] StoreError),

@@ -17,7 +17,7 @@ use crate::http::error::{parse_body, ApiError, OpenAiError};
 use crate::http::state::AppState;
 use crate::validation::ValidationError;
 
-#[utoipa::path(post, path = "/v1/batches", request_body = CreateBatch,
+#[utoipa::path(post, path = "/v1/batches", operation_id = "create_batch", request_body = CreateBatch,
     responses((status = 200, body = BatchObject), (status = 400, body = crate::http::error::OpenAiErrorBody),
               (status = 404, body = crate::http::error::OpenAiErrorBody)))]
 pub async fn create(
@@ -28,7 +28,7 @@ pub async fn create(
     Ok(Json(batches_of(&state)?.create(request).await?))
 }
 
-#[utoipa::path(get, path = "/v1/batches", params(PageQuery), responses((status = 200, body = Page<BatchObject>)))]
+#[utoipa::path(get, path = "/v1/batches", operation_id = "list_batches", params(PageQuery), responses((status = 200, body = Page<BatchObject>)))]
 pub async fn list(
     State(state): State<Arc<AppState>>,
     query: Result<Query<PageQuery>, QueryRejection>,
@@ -37,12 +37,12 @@ pub async fn list(
     Ok(Json(batches_of(&state)?.batches(after, limit).await?))
 }
 
-#[utoipa::path(get, path = "/v1/batches/{id}", responses((status = 200, body = BatchObject), (status = 404, body = crate::http::error::OpenAiErrorBody)))]
+#[utoipa::path(get, path = "/v1/batches/{id}", operation_id = "retrieve_batch", params(("id" = String, Path, description = "the batch's id")), responses((status = 200, body = BatchObject), (status = 404, body = crate::http::error::OpenAiErrorBody)))]
 pub async fn get(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Result<Json<BatchObject>, OpenAiError> {
     Ok(Json(batches_of(&state)?.batch(&id).await?))
 }
 
-#[utoipa::path(post, path = "/v1/batches/{id}/cancel", responses((status = 200, body = BatchObject),
+#[utoipa::path(post, path = "/v1/batches/{id}/cancel", operation_id = "cancel_batch", params(("id" = String, Path, description = "the batch's id")), responses((status = 200, body = BatchObject),
     (status = 404, body = crate::http::error::OpenAiErrorBody), (status = 409, body = crate::http::error::OpenAiErrorBody)))]
 pub async fn cancel(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Result<Json<BatchObject>, OpenAiError> {
     Ok(Json(batches_of(&state)?.cancel(&id).await?))
@@ -51,6 +51,7 @@ pub async fn cancel(State(state): State<Arc<AppState>>, Path(id): Path<String>) 
 /// A list's paging: `after` (an id from the previous page's `last_id`) and
 /// `limit` (1 to 100, default 20).
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct PageQuery {
     pub after: Option<String>,
     pub limit: Option<usize>,

@@ -19,7 +19,7 @@ use crate::batch::BatchError;
 use crate::http::error::{ApiError, OpenAiError};
 use crate::http::state::AppState;
 
-#[utoipa::path(post, path = "/v1/files", request_body(content_type = "multipart/form-data", description = "`file` (JSONL) and `purpose` (batch)"),
+#[utoipa::path(post, path = "/v1/files", operation_id = "upload_file", request_body(content_type = "multipart/form-data", description = "`file` (JSONL) and `purpose` (batch)"),
     responses((status = 200, body = FileObject), (status = 400, body = crate::http::error::OpenAiErrorBody),
               (status = 413, body = crate::http::error::OpenAiErrorBody)))]
 pub async fn upload(
@@ -57,7 +57,7 @@ fn unreadable(error: axum::extract::multipart::MultipartError, limit: usize) -> 
     }
 }
 
-#[utoipa::path(get, path = "/v1/files", params(PageQuery), responses((status = 200, body = Page<FileObject>)))]
+#[utoipa::path(get, path = "/v1/files", operation_id = "list_files", params(PageQuery), responses((status = 200, body = Page<FileObject>)))]
 pub async fn list(
     State(state): State<Arc<AppState>>,
     query: Result<Query<PageQuery>, QueryRejection>,
@@ -66,17 +66,17 @@ pub async fn list(
     Ok(Json(batches_of(&state)?.files(after, limit).await?))
 }
 
-#[utoipa::path(get, path = "/v1/files/{id}", responses((status = 200, body = FileObject), (status = 404, body = crate::http::error::OpenAiErrorBody)))]
+#[utoipa::path(get, path = "/v1/files/{id}", operation_id = "retrieve_file", params(("id" = String, Path, description = "the file's id")), responses((status = 200, body = FileObject), (status = 404, body = crate::http::error::OpenAiErrorBody)))]
 pub async fn get(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Result<Json<FileObject>, OpenAiError> {
     Ok(Json(batches_of(&state)?.file(&id).await?))
 }
 
-#[utoipa::path(delete, path = "/v1/files/{id}", responses((status = 200, body = DeletedFile), (status = 404, body = crate::http::error::OpenAiErrorBody)))]
+#[utoipa::path(delete, path = "/v1/files/{id}", operation_id = "delete_file", params(("id" = String, Path, description = "the file's id")), responses((status = 200, body = DeletedFile), (status = 404, body = crate::http::error::OpenAiErrorBody)))]
 pub async fn delete(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Result<Json<DeletedFile>, OpenAiError> {
     Ok(Json(batches_of(&state)?.delete_file(&id).await?))
 }
 
-#[utoipa::path(get, path = "/v1/files/{id}/content", responses((status = 200, description = "the file's bytes"), (status = 404, body = crate::http::error::OpenAiErrorBody)))]
+#[utoipa::path(get, path = "/v1/files/{id}/content", operation_id = "file_content", params(("id" = String, Path, description = "the file's id")), responses((status = 200, description = "the file's bytes"), (status = 404, body = crate::http::error::OpenAiErrorBody)))]
 pub async fn content(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Result<Response, OpenAiError> {
     let content = batches_of(&state)?.file_content(&id).await?;
     Ok(([(header::CONTENT_TYPE, "application/octet-stream")], content).into_response())

@@ -65,7 +65,7 @@ fn not_found(error: StoreError, param: Option<&str>) -> ApiError {
     }
 }
 
-#[utoipa::path(post, path = "/v1/responses", request_body = CreateResponse,
+#[utoipa::path(post, path = "/v1/responses", operation_id = "create_response", request_body = CreateResponse,
     responses(
         (status = 200, description = "a response object, or an SSE stream of typed events with `stream: true`", body = ResponseObject),
         (status = 400, body = crate::http::error::OpenAiErrorBody),
@@ -463,13 +463,13 @@ impl StreamShape for ResponsesShape {
     }
 }
 
-#[utoipa::path(get, path = "/v1/responses/{id}", params(("id" = String, Path, description = "the response's id")),
+#[utoipa::path(get, path = "/v1/responses/{id}", operation_id = "retrieve_response", params(("id" = String, Path, description = "the response's id")),
     responses((status = 200, body = ResponseObject), (status = 404, body = crate::http::error::OpenAiErrorBody)))]
 pub async fn retrieve(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Result<Json<ResponseObject>, OpenAiError> {
     Ok(Json(state.responses.get(&id).map_err(|e| not_found(e, None))?.response))
 }
 
-#[utoipa::path(delete, path = "/v1/responses/{id}", params(("id" = String, Path, description = "the response's id")),
+#[utoipa::path(delete, path = "/v1/responses/{id}", operation_id = "delete_response", params(("id" = String, Path, description = "the response's id")),
     responses((status = 200, body = DeletedResponse), (status = 404, body = crate::http::error::OpenAiErrorBody)))]
 pub async fn delete(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Result<Json<DeletedResponse>, OpenAiError> {
     state.responses.delete(&id).map_err(|e| not_found(e, None))?;
@@ -477,7 +477,7 @@ pub async fn delete(State(state): State<Arc<AppState>>, Path(id): Path<String>) 
 }
 
 /// Stops a background response; others are a 400.
-#[utoipa::path(post, path = "/v1/responses/{id}/cancel", params(("id" = String, Path, description = "the response's id")),
+#[utoipa::path(post, path = "/v1/responses/{id}/cancel", operation_id = "cancel_response", params(("id" = String, Path, description = "the response's id")),
     responses((status = 200, body = ResponseObject), (status = 400, body = crate::http::error::OpenAiErrorBody),
               (status = 404, body = crate::http::error::OpenAiErrorBody)))]
 pub async fn cancel(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Result<Json<ResponseObject>, OpenAiError> {
