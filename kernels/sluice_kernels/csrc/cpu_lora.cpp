@@ -12,8 +12,10 @@
 //
 //   shrink  items (g, p, k), k < r: the dot of A[s, p, k] with every row of
 //           the segment (the A row is read once for all of them)
-//   expand  items (g, block of 64 output rows): each output row o of piece p
-//           (bounds) is the dot of B[s, o, :r] with h[t, p] for every row t
+//   expand  items (g, block of 64 output rows): the block's B rows are
+//           transposed once, then every row t of the segment adds
+//           sum_k h[t, p, k] B[s, o, k] along the block's outputs o (split
+//           where a piece ends)
 //
 // A decode step reads each adapter's A and B once per layer, whatever the
 // number of its rows; pieces an adapter leaves alone (rank 0) are skipped.
@@ -127,19 +129,37 @@ void lora_apply_(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const a
     }
   });
   at::parallel_for(0, static_cast<int64_t>(expands.size()), 1, [&](int64_t lo, int64_t hi) {
+    // B's rows of the block, transposed ([r][n]), so that each row t's
+    // update runs along the outputs: n lanes of sums, one multiply-add
+    // per rank, no horizontal reduction per output.
+    std::vector<float> bt(R * kOutBlock);
+    float acc[kOutBlock];
     for (int64_t i = lo; i < hi; ++i) {
       const auto [g, first] = expands[i];
       const int64_t s = slot[g];
+      const int64_t last = std::min(first + kOutBlock, OUT);
       int64_t p = 0;
-      for (int64_t o = first; o < std::min(first + kOutBlock, OUT); ++o) {
-        while (o >= bound[p + 1]) ++p;
-        const int64_t r = rank[s * P + p];
-        if (r == 0) continue;
-        const float* b_row = bs + (s * OUT + o) * R;
-        for (int64_t t = start[g]; t < end[g]; ++t) {
-          const float* h_piece = h + ((h_row[g] + t - start[g]) * P + p) * R;
-          ys[t * y_stride + o] += dot(h_piece, b_row, r) * scale[s];
+      for (int64_t o0 = first; o0 < last;) {
+        while (o0 >= bound[p + 1]) ++p;
+        const int64_t o1 = std::min<int64_t>(last, bound[p + 1]);
+        const int64_t r = rank[s * P + p], n = o1 - o0;
+        if (r > 0) {
+          const float* b_rows = bs + (s * OUT + o0) * R;
+          for (int64_t j = 0; j < n; ++j)
+            for (int64_t k = 0; k < r; ++k) bt[k * n + j] = b_rows[j * R + k];
+          for (int64_t t = start[g]; t < end[g]; ++t) {
+            const float* h_piece = h + ((h_row[g] + t - start[g]) * P + p) * R;
+            for (int64_t j = 0; j < n; ++j) acc[j] = 0.f;
+            for (int64_t k = 0; k < r; ++k) {
+              const float hk = h_piece[k];
+              const float* bk = bt.data() + k * n;
+              for (int64_t j = 0; j < n; ++j) acc[j] += hk * bk[j];
+            }
+            float* y_row = ys + t * y_stride + o0;
+            for (int64_t j = 0; j < n; ++j) y_row[j] += acc[j] * scale[s];
+          }
         }
+        o0 = o1;
       }
     }
   });
