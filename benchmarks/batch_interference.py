@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     print(f"interactive p99 TPOT with / without the batch: {tpot_ratio:.3f} (goal <= {GOAL_TPOT_RATIO})")
     print(f"batch share of the capacity left by interactive traffic: {share:.1%} (goal >= {GOAL_SHARE:.0%})")
     print(f"server: model {info.get('model_id')}, device {info.get('model_device_type')}, "
-          f"batch_min_share {info.get('batch_min_share')}")
+          f"batch_min_share {info.get('batch_min_share')}, batch_step_slack {info.get('batch_step_slack')}")
     if args.out:
         doc = {"benchmark": "batch_interference", "args": vars(args), "info": info, "alone": alone, "shared": shared,
                "batch_alone_tokens_per_s": capacity, "batch_during_tokens_per_s": batch_during,

@@ -198,6 +198,7 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
         panic_at_step: config.scheduler_panic_at().map_err(|e| e.to_string())?,
         speculation: speculation.clone(),
         batch_min_share: config.serving.batch_min_share,
+        batch_step_slack: config.serving.batch_step_slack,
         hourly_cost: config.serving.hourly_cost,
     };
     // The recorder first: the scheduler describes its series when it starts.
@@ -276,6 +277,7 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
             hourly_cost: config.serving.hourly_cost,
             speculation: speculation.as_ref().map(SpeculationInfo::new),
             batch_min_share: config.serving.batch_min_share,
+            batch_step_slack: config.serving.batch_step_slack,
             reasoning_parser: reasoning_parser.map(|p| p.name().to_string()),
             lora: (shard_info.max_loras > 0).then_some(LoraInfo {
                 max_loras: shard_info.max_loras,

@@ -224,6 +224,14 @@ pub struct ServingFlags {
     /// interactive requests leave. In [0, 1).
     #[arg(long, env = "SLUICE_BATCH_MIN_SHARE", default_value_t = 0.1, value_parser = parse_share)]
     pub batch_min_share: f64,
+    /// While interactive requests run, batch lines may lengthen a step by
+    /// at most this fraction of the time the interactive part alone is
+    /// predicted to take (learnt from the steps run; at least one batch
+    /// token per step): what a batch costs interactive streams' time per
+    /// output token. 0 gives batch lines one token a step while any
+    /// interactive request runs.
+    #[arg(long, env = "SLUICE_BATCH_STEP_SLACK", default_value_t = 0.1, value_parser = parse_slack)]
+    pub batch_step_slack: f64,
     /// Largest Batch API upload (`POST /v1/files`), in bytes (HTTP 413 above).
     #[arg(long, env = "SLUICE_BATCH_MAX_FILE_BYTES", default_value_t = 100_000_000,
           value_parser = clap::value_parser!(u64).range(1..))]
@@ -272,6 +280,13 @@ fn default_data_dir(var: impl Fn(&str) -> Option<std::ffi::OsString>) -> PathBuf
         (None, Some(home)) => home.join(".local/share/sluice"),
         // No home (a bare container user): beside the working directory.
         (None, None) => PathBuf::from("sluice-data"),
+    }
+}
+
+fn parse_slack(value: &str) -> Result<f64, String> {
+    match value.parse::<f64>() {
+        Ok(slack) if (0.0..=10.0).contains(&slack) => Ok(slack),
+        _ => Err(format!("`{value}` is not a slack: give a fraction in [0, 10] (e.g. 0.1 for 10%)")),
     }
 }
 
@@ -379,6 +394,7 @@ impl ServingFlags {
             flag("hourly-cost", dollars.to_string());
         }
         flag("batch-min-share", self.batch_min_share.to_string());
+        flag("batch-step-slack", self.batch_step_slack.to_string());
         if let Some(dir) = &self.data_dir {
             flag("data-dir", dir.display().to_string());
         }

@@ -2,7 +2,8 @@
 //! preemption.rs, share.rs): lower `priority` first, interactive requests
 //! before batch lines, batch lines preempted first when an interactive
 //! request finds no room, and the batch floor (`batch_min_share`) that keeps
-//! them from starving. Every request still gets its solo tokens, and no
+//! them from starving, and the step-time slack that bounds batch work
+//! beside interactive requests. Every request still gets its solo tokens, and no
 //! block leaks.
 
 mod scheduler_support;
@@ -152,6 +153,84 @@ async fn the_batch_floor_keeps_batch_lines_running_under_a_flood() {
     let _ = read(&mut line, Some(1)).await;
     let stats = infer.stats().await.unwrap();
     assert_eq!(stats.waiting + stats.running, 1, "only the batch line is left when it starts: {stats:?}");
+    assert_no_leak(&infer, &handle).await;
+}
+
+/// While interactive requests run, batch lines add only the tokens that keep
+/// a step within `batch_step_slack` of its interactive part's time, as
+/// learnt from the steps run (scheduler/cost.rs); with none running they
+/// fill the step. Time is paused, so the fake shard's step times (10 ms +
+/// 1 ms a token) are what the scheduler measures.
+#[tokio::test(start_paused = true)]
+async fn batch_work_keeps_interactive_steps_within_the_slack() {
+    let mut fake = fake_config(2048, 4);
+    fake.latency = Duration::from_millis(10);
+    fake.latency_per_token = Duration::from_millis(1);
+    let mut config = scheduler_config(&fake);
+    config.max_batch_size = 16;
+    config.max_batch_prefill_tokens = 128;
+    config.batch_step_slack = 0.2;
+    let slack = config.batch_step_slack;
+    let (infer, handle) = start(fake.clone(), config);
+
+    // Interactive traffic alone, then a batch alone: both sizes are seen.
+    let mut warm: Vec<_> = Vec::new();
+    for i in 0..2 {
+        warm.push(submit(&infer, classed(prompt(i), 20, RequestClass::Interactive, 0)).await);
+    }
+    for stream in &mut warm {
+        assert_eq!(read(stream, None).await.error, None);
+    }
+    let long = |seed: u32| -> Vec<u32> { (0..60).map(|t| seed * 100 + t + 1).collect() };
+    let mut lines = Vec::new();
+    for i in 0..8 {
+        lines.push(submit(&infer, classed(long(10 + i), 200, RequestClass::Batch, 0)).await);
+    }
+    let mut started = Vec::new();
+    for stream in &mut lines {
+        started.push(read(stream, Some(1)).await);
+    }
+    let first_shared_step = handle.steps().len();
+    // Ids follow submission: 0-1 warm-up, 2-9 batch lines, 10-11 interactive.
+    let mut interactive = Vec::new();
+    for i in 0..2 {
+        interactive.push(submit(&infer, classed(prompt(30 + i), 30, RequestClass::Interactive, 0)).await);
+    }
+    for (i, stream) in interactive.iter_mut().enumerate() {
+        let out = read(stream, None).await;
+        assert_eq!(out.tokens, expected_tokens(&fake, &prompt(30 + i as u32), 30));
+    }
+
+    let (mut shared_steps, mut batch_moved) = (0, 0);
+    for step in &handle.steps()[first_shared_step..] {
+        let tokens = |interactive: bool| -> u32 {
+            let is = |id: u64| (id >= 10) == interactive;
+            step.new_requests.iter().filter(|r| is(r.id)).map(|r| r.num_new_tokens).sum::<u32>()
+                + step.scheduled.iter().filter(|s| is(s.id)).map(|s| s.num_new_tokens).sum::<u32>()
+        };
+        // Steps built while interactive requests ran (not the one admitting them).
+        if !step.scheduled.iter().any(|s| s.id >= 10) {
+            continue;
+        }
+        shared_steps += 1;
+        let (inter, batch) = (tokens(true), tokens(false));
+        let allowed = (slack * f64::from(10 + inter)).floor() as u32;
+        // One token of rounding (tokio's timer counts whole milliseconds),
+        // and at least one batch token a step.
+        assert!(batch <= allowed.max(1) + 1, "{batch} batch tokens beside {inter} interactive ones: {step:?}");
+        batch_moved += u32::from(batch > 0);
+    }
+    assert!(shared_steps >= 25, "the interactive requests decoded beside the batch: {shared_steps} steps");
+    assert_eq!(batch_moved, shared_steps, "batch lines moved in every step");
+
+    // Alone again, the batch fills its steps: all 8 lines decode together.
+    let before = handle.steps().len();
+    for (i, (stream, mut out)) in lines.iter_mut().zip(started).enumerate() {
+        read_into(stream, &mut out, None).await;
+        assert_eq!(out.tokens, expected_tokens(&fake, &long(10 + i as u32), 200), "batch line {i} differs");
+    }
+    let widest = handle.steps()[before..].iter().map(|s| s.scheduled.len()).max().unwrap_or(0);
+    assert_eq!(widest, 8, "the batch alone ran all its lines in one step");
     assert_no_leak(&infer, &handle).await;
 }
 

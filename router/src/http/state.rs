@@ -57,6 +57,9 @@ pub struct Info {
     /// The share of slots and step budget Batch API lines may always use
     /// (`--batch-min-share`).
     pub batch_min_share: f64,
+    /// How much batch lines may lengthen a step that interactive requests
+    /// run in (`--batch-step-slack`).
+    pub batch_step_slack: f64,
     /// How the model's thinking is split off (`--reasoning-parser`); null
     /// when it is not a reasoning model.
     pub reasoning_parser: Option<String>,

@@ -74,6 +74,7 @@ fn build_with_shard(setup: Setup) -> (Router, Arc<AppState>, FakeShardHandle) {
         panic_at_step: None,
         speculation: None,
         batch_min_share: 0.1,
+        batch_step_slack: 0.1,
         hourly_cost: setup.hourly_cost,
     };
     let info = ShardInfo {
@@ -141,6 +142,7 @@ fn build_with_shard(setup: Setup) -> (Router, Arc<AppState>, FakeShardHandle) {
             hourly_cost: setup.hourly_cost,
             speculation: None,
             batch_min_share: 0.1,
+            batch_step_slack: 0.1,
             reasoning_parser: setup.reasoning.map(|kind| kind.name().to_string()),
             lora: (max_loras > 0).then_some(super::LoraInfo { max_loras, max_lora_rank: 16, lora_bytes: 1024 }),
         },

@@ -77,7 +77,10 @@ impl Scheduler {
             let r = self.waiting.remove(index).expect("index is in range");
             let admitted = match class {
                 RequestClass::Interactive => self.admit_interactive(r, plan, budget, &floor),
-                RequestClass::Batch => self.admit_batch(r, *budget),
+                RequestClass::Batch => {
+                    let room = self.batch_room(plan, *budget);
+                    self.admit_batch(r, room)
+                }
             };
             let (mut r, num_new_tokens) = match admitted {
                 Ok(admitted) => admitted,
@@ -170,7 +173,7 @@ impl Scheduler {
 
     /// A batch line gets a slot and its first chunk only from what is free.
     fn admit_batch(&mut self, mut r: Request, budget: usize) -> Result<(Request, usize), (Request, usize)> {
-        if self.running.len() >= self.config.max_batch_size as usize {
+        if budget == 0 || self.running.len() >= self.config.max_batch_size as usize {
             return Err((r, 0));
         }
         match self.first_chunk(&mut r, budget) {

@@ -51,6 +51,7 @@ mod adapters;
 mod admission;
 mod apply;
 pub mod blocks;
+mod cost;
 mod drafts;
 mod kv;
 mod preemption;
@@ -75,6 +76,7 @@ use crate::infer::{Command, Entry, Infer, InferError, RequestClass, SchedulerFai
 pub use speculation::SpeculationConfig;
 
 use adapters::{Adapters, PendingLoad};
+use cost::StepCosts;
 use kv::KvCache;
 use request::Request;
 use window::TokenWindow;
@@ -108,6 +110,10 @@ pub struct SchedulerConfig {
     /// Fraction of the running slots and step budget batch lines may
     /// always use while pending (`--batch-min-share`, in [0, 1); share.rs).
     pub batch_min_share: f64,
+    /// While interactive requests run, batch lines may lengthen a step by
+    /// at most this fraction of its predicted time (`--batch-step-slack`;
+    /// cost.rs, share.rs).
+    pub batch_step_slack: f64,
     /// Dollars per hour (`--hourly-cost`): each step's cost is shared out
     /// to the adapters (and the base model) of its requests in /metrics.
     pub hourly_cost: Option<f64>,
@@ -213,6 +219,8 @@ async fn run<S: Shard>(
         let request = scheduler.to_proto(&plan);
         let (step_span, step_trace) = scheduler.trace_step(&plan);
         let started = Instant::now();
+        // Tokio's clock: tests that pause time see the fake shard's latency.
+        let clock = tokio::time::Instant::now();
         let limit = scheduler.config.step_deadline.for_step(scheduler.stats.steps);
         scheduler.stats.step_in_flight_since = Some(started);
         scheduler.stats.step_deadline = Some(started + limit);
@@ -234,6 +242,9 @@ async fn run<S: Shard>(
             scheduler.fail_all(&failure);
             return Err(failure);
         };
+        if result.is_ok() {
+            scheduler.costs.record(plan.tokens(), clock.elapsed());
+        }
         scheduler.apply(plan, result, started);
         drop(step_span);
         #[cfg(debug_assertions)]
@@ -262,6 +273,8 @@ pub(crate) struct Scheduler {
     adapters: Adapters,
     /// Load commands for the next point between steps (adapter_work.rs).
     pending_loads: VecDeque<PendingLoad>,
+    /// Step time by tokens, learnt from the steps run (cost.rs).
+    costs: StepCosts,
 }
 
 impl Scheduler {
@@ -288,6 +301,7 @@ impl Scheduler {
             window,
             adapters: Adapters::new(max_loras),
             pending_loads: VecDeque::new(),
+            costs: StepCosts::default(),
         }
     }
 

@@ -17,6 +17,21 @@
 //! The floor reserves only what batch lines can use: with none pending,
 //! interactive requests may take everything; with fewer pending than the
 //! floor's slots, only as many slots are held back.
+//!
+//! Tokens are not all alike, though: every token a step computes lengthens
+//! it, and with it the time between two tokens of every interactive stream
+//! in it. So while interactive requests run, batch lines get only as many
+//! tokens as keep the step within `--batch-step-slack` of the time its
+//! interactive part alone is predicted to take (cost.rs), and at least one,
+//! so that they always move:
+//!
+//! ```text
+//!  4 interactive decodes, step ~17 ms, slack 0.1: batch work up to ~18.7 ms
+//!  CPU, flat to ~12 tokens   [ i i i i | b b b b b b b b ]   8 batch tokens
+//!  the same with a 12-token interactive chunk: ~1 ms of tokens, 1-2 batch tokens
+//! ```
+//!
+//! With no interactive request running, batch lines fill the whole budget.
 
 use super::step::StepPlan;
 use super::Scheduler;
@@ -75,17 +90,48 @@ impl Scheduler {
             .sum()
     }
 
-    /// The most tokens a running request's next prefill chunk may take
-    /// from `budget`: all of it, except for a batch line while interactive
-    /// requests wait, which gets only what is left of the batch floor (the
-    /// rest of the step is theirs to be admitted into).
+    /// The step's cap on batch tokens: while interactive requests run, what
+    /// fits in `--batch-step-slack` of the predicted time of their part of
+    /// the step (at least 1); None when none runs or no batch line waits.
+    pub(crate) fn batch_cap(&self, budget: usize) -> Option<usize> {
+        if self.count(RequestClass::Batch) == 0 {
+            return None;
+        }
+        // What the interactive requests will compute: a token per decode,
+        // their next chunk for the others (as far as the budget goes).
+        let mut interactive = None::<usize>;
+        for r in self.running.iter().filter(|r| r.class() == RequestClass::Interactive) {
+            *interactive.get_or_insert(0) += r.remaining().min(budget);
+        }
+        let interactive = interactive?.min(budget);
+        let room = self.costs.room_within(interactive, self.config.batch_step_slack, budget - interactive);
+        Some(room.max(1))
+    }
+
+    /// Tokens batch lines may still add to `plan`, out of `budget`.
+    pub(crate) fn batch_room(&self, plan: &StepPlan, budget: usize) -> usize {
+        match plan.batch_cap {
+            Some(cap) => budget.min(cap.saturating_sub(self.planned_tokens(plan, RequestClass::Batch))),
+            None => budget,
+        }
+    }
+
+    /// The most tokens a running request's next decode or prefill chunk may
+    /// take from `budget`: all of it for an interactive request. A batch
+    /// line gets what the step's batch cap leaves, and while interactive
+    /// requests wait, a prefill chunk only what is left of the batch floor
+    /// (the rest of the step is theirs to be admitted into).
     pub(crate) fn chunk_room(&self, plan: &StepPlan, budget: usize, id: u64) -> usize {
         let Some(index) = self.position(id) else { return budget };
         let r = &self.running[index];
-        if r.class() != RequestClass::Batch || r.remaining() == 1 || !self.interactive_waiting() {
+        if r.class() != RequestClass::Batch {
             return budget;
         }
+        let room = self.batch_room(plan, budget);
+        if r.remaining() == 1 || !self.interactive_waiting() {
+            return room;
+        }
         let floor = self.batch_floor().tokens;
-        budget.min(floor.saturating_sub(self.planned_tokens(plan, RequestClass::Batch)))
+        room.min(floor.saturating_sub(self.planned_tokens(plan, RequestClass::Batch)))
     }
 }

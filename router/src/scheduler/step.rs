@@ -48,6 +48,9 @@ impl Planned {
 pub(crate) struct StepPlan {
     pub finished_ids: Vec<u64>,
     pub entries: Vec<Planned>,
+    /// Most tokens batch lines may compute in this step (share.rs); None:
+    /// no interactive request runs, so no limit beyond the budget.
+    pub batch_cap: Option<usize>,
 }
 
 impl StepPlan {
@@ -72,6 +75,7 @@ impl Scheduler {
         let mut plan = StepPlan::default();
         self.drop_cancelled();
         let mut budget = self.config.max_batch_prefill_tokens as usize;
+        plan.batch_cap = self.batch_cap(budget);
         self.schedule_running(&mut plan, &mut budget);
         self.admit(&mut plan, &mut budget);
         if !plan.is_empty() {

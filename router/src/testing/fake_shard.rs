@@ -59,8 +59,10 @@ pub struct FakeShardConfig {
     pub eos_token_id: u32,
     /// Chance that a generated token is EOS (decided by the sequence hash).
     pub eos_probability: f64,
-    /// Time one step takes.
+    /// Time one step takes, plus `latency_per_token` for every token it
+    /// computes (new requests' chunks, decodes and drafts).
     pub latency: Duration,
+    pub latency_per_token: Duration,
     /// Honour `NewRequest.grammar` (for the model's tokenizer).
     pub grammar: Option<Arc<GrammarCompiler>>,
     /// Chance that a generated token repeats the one `echo_period` back.
@@ -83,6 +85,7 @@ impl Default for FakeShardConfig {
             eos_token_id: 0,
             eos_probability: 0.0,
             latency: Duration::ZERO,
+            latency_per_token: Duration::ZERO,
             grammar: None,
             echo_probability: 0.0,
             echo_period: 8,
@@ -551,8 +554,11 @@ impl Shard for FakeShard {
         let state = self.state.clone();
         let config = self.config.clone();
         async move {
-            if !config.latency.is_zero() {
-                tokio::time::sleep(config.latency).await;
+            let tokens: u32 = request.new_requests.iter().map(|r| r.num_new_tokens).sum::<u32>()
+                + request.scheduled.iter().map(|s| s.num_new_tokens + s.draft_token_ids.len() as u32).sum::<u32>();
+            let latency = config.latency + config.latency_per_token * tokens;
+            if !latency.is_zero() {
+                tokio::time::sleep(latency).await;
             }
             let hang = {
                 let mut state = state.lock().unwrap();

@@ -34,6 +34,7 @@ pub fn scheduler_config(fake: &FakeShardConfig) -> SchedulerConfig {
         panic_at_step: None,
         speculation: None,
         batch_min_share: 0.1,
+        batch_step_slack: 0.1,
         hourly_cost: None,
     }
 }
