@@ -123,9 +123,10 @@ impl Scheduler {
             }
             // A request preempted to make room for an older one is gone.
             let Some(index) = self.position(id) else { continue };
-            let want = self.running[index].remaining().min(self.chunk_room(plan, *budget, id));
+            let room = self.chunk_room(plan, *budget, id);
+            let want = self.running[index].remaining().min(room);
             if want == 0 {
-                continue; // a batch line's chunk waits for interactive admissions (share.rs)
+                continue; // a batch line waits: the step's batch cap or floor is used (share.rs)
             }
             let first_new_block = self.running[index].blocks.len();
             let num_new_tokens = self.grow(plan, budget, id, want);
@@ -136,7 +137,9 @@ impl Scheduler {
             let draft = if i < num_decodes && self.config.speculation.is_some() {
                 // Every later decode keeps its one token.
                 let later = num_decodes - i - 1;
-                self.draft(id, budget.saturating_sub(later), plan.tokens() + num_new_tokens + later)
+                // A batch line's drafts count against its cap too.
+                let room = budget.saturating_sub(later).min(room - num_new_tokens);
+                self.draft(id, room, plan.tokens() + num_new_tokens + later)
             } else {
                 Vec::new()
             };
