@@ -26,10 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,17 +34,11 @@ from pathlib import Path
 import httpx
 
 from sluice_bench import BenchConfig, WorkloadSpec, run_benchmark_sync
+from sluice_bench.launch import default_launcher, launched
 
 GOAL_TPOT_RATIO = 1.10
 GOAL_SHARE = 0.70
 TERMINAL = ("completed", "failed", "expired", "cancelled")
-
-
-def default_launcher() -> str:
-    if os.environ.get("SLUICE_LAUNCHER_BIN"):
-        return os.environ["SLUICE_LAUNCHER_BIN"]
-    beside = Path(sys.executable).parent / "sluice-launcher"
-    return str(beside) if beside.exists() else "sluice-launcher"
 
 
 def parse_args(argv=None):
@@ -69,42 +59,14 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def server(args):
     if args.url:
         yield args.url.rstrip("/")
         return
-    port = free_port()
     with tempfile.TemporaryDirectory(prefix="sluice-batch-bench-") as data_dir:
-        cmd = [args.launcher, "--port", str(port), "--data-dir", data_dir, *args.launcher_arg]
-        print(f"starting: {' '.join(cmd)}", flush=True)
-        proc = subprocess.Popen(cmd, start_new_session=True)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + args.ready_timeout
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"the launcher exited with code {proc.returncode} before it was ready")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{url}/ready did not answer 200 within {args.ready_timeout:.0f}s")
-                time.sleep(0.5)
+        with launched(args.launcher, ["--data-dir", data_dir, *args.launcher_arg], args.ready_timeout) as url:
             yield url
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(60)
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
 
 
 def batch_tokens(url: str) -> float:

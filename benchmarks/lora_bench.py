@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import json
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,10 +33,8 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prefix_cache import default_launcher, free_port, stop, wait_ready  # noqa: E402
-
-from sluice_bench.report import versions  # noqa: E402
+from sluice_bench.launch import default_launcher, launched
+from sluice_bench.report import versions
 
 GOAL_LOSS_AT_4 = 0.15
 WORDS = ("river stone garden lamp window quiet harbor letter paper morning bread silver market winter candle "
@@ -80,21 +77,13 @@ def make_adapters(base: Path, root: Path, count: int, rank: int) -> dict[str, Pa
 
 
 @contextlib.contextmanager
-def launched(args, base: Path, adapters: dict[str, Path]):
-    port = args.port or free_port()
-    cmd = [args.launcher, "--port", str(port), "--model-id", str(base), "--max-loras", str(max(1, len(adapters))),
-           "--max-lora-rank", str(args.rank), "--max-concurrent-requests", str(max(args.concurrency) * 2),
-           *args.launcher_arg]
+def server(args, base: Path, adapters: dict[str, Path]):
+    flags = ["--model-id", str(base), "--max-loras", str(max(1, len(adapters))), "--max-lora-rank", str(args.rank),
+             "--max-concurrent-requests", str(max(args.concurrency) * 2), *args.launcher_arg]
     if adapters:
-        cmd += ["--lora-adapters", *(f"{name}={path}" for name, path in adapters.items())]
-    print(f"starting: {' '.join(cmd[:12])} ... ({len(adapters)} adapters)", flush=True)
-    proc = subprocess.Popen(cmd, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, proc, args.ready_timeout)
+        flags += ["--lora-adapters", *(f"{name}={path}" for name, path in adapters.items())]
+    with launched(args.launcher, flags, args.ready_timeout, port=args.port, shown=12) as url:
         yield url
-    finally:
-        stop(proc)
 
 
 def prompts(args) -> list[str]:
@@ -156,7 +145,7 @@ def main(argv=None) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="lora-bench-") as tmp:
             adapters = make_adapters(base, Path(tmp), max(args.adapters), args.rank)
-            with launched(args, base, adapters) as url:
+            with server(args, base, adapters) as url:
                 served = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
                 for c in args.concurrency:
                     for n in args.adapters:

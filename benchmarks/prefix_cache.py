@@ -22,28 +22,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
-
 from sluice_bench import BenchConfig, RunResult, WorkloadSpec, run_benchmark_sync
+from sluice_bench.launch import default_launcher, launched
 from sluice_bench.report import result_table, versions
 
 GOAL_THROUGHPUT = 2.0
 GOAL_TTFT = 4.0
-
-
-def default_launcher() -> str:
-    if os.environ.get("SLUICE_LAUNCHER_BIN"):
-        return os.environ["SLUICE_LAUNCHER_BIN"]
-    beside = Path(sys.executable).parent / "sluice-launcher"
-    return str(beside) if beside.exists() else "sluice-launcher"
 
 
 def parse_args(argv=None):
@@ -71,55 +58,12 @@ def parse_args(argv=None):
     return args
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
-def launched(args, prefix_caching: bool):
+def server(args, prefix_caching: bool):
     """A Sluice server for the duration of the block; its base URL."""
-    port = args.port or free_port()
-    cmd = [args.launcher, "--port", str(port), *args.launcher_arg]
-    if not prefix_caching:
-        cmd.append("--no-prefix-caching")
-    print(f"starting: {' '.join(cmd)}", flush=True)
-    # Its own process group, so stopping it reaches the router and shards too.
-    proc = subprocess.Popen(cmd, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, proc, args.ready_timeout)
+    flags = [*args.launcher_arg] + ([] if prefix_caching else ["--no-prefix-caching"])
+    with launched(args.launcher, flags, args.ready_timeout, port=args.port) as url:
         yield url
-    finally:
-        stop(proc)
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the launcher exited with code {proc.returncode} before it was ready")
-        try:
-            if httpx.get(url + "/ready", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url}/ready did not answer 200 within {timeout:.0f}s")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def bench(args, url: str, label: str) -> RunResult:
@@ -160,7 +104,7 @@ def main(argv=None) -> int:
             if url:
                 results[label] = bench(args, url, label)
             else:
-                with launched(args, caching) as launched_url:
+                with server(args, caching) as launched_url:
                     results[label] = bench(args, launched_url, label)
     except (RuntimeError, ValueError, FileNotFoundError) as e:
         print(f"prefix_cache.py: error: {e}", file=sys.stderr)

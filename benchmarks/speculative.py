@@ -33,12 +33,10 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prefix_cache import default_launcher, free_port, stop, wait_ready  # noqa: E402
-
-from sluice_bench import BenchConfig, RunResult, WorkloadSpec, run_benchmark_sync  # noqa: E402
-from sluice_bench.report import versions  # noqa: E402
-from sluice_bench.workloads import Plan, Session, Turn  # noqa: E402
+from sluice_bench import BenchConfig, RunResult, WorkloadSpec, run_benchmark_sync
+from sluice_bench.launch import default_launcher, launched
+from sluice_bench.report import versions
+from sluice_bench.workloads import Plan, Session, Turn
 
 PASSAGE = Path(__file__).resolve().parent / "speculative_passage.txt"
 INSTRUCTION = (
@@ -77,21 +75,10 @@ def parse_args(argv=None):
 
 
 @contextlib.contextmanager
-def launched(args, speculate: bool):
-    import subprocess
-
-    port = args.port or free_port()
-    cmd = [args.launcher, "--port", str(port), *args.launcher_arg]
-    if speculate:
-        cmd += ["--speculate", "ngram", *args.speculate_arg]
-    print(f"starting: {' '.join(cmd)}", flush=True)
-    proc = subprocess.Popen(cmd, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, proc, args.ready_timeout)
+def started(args, speculate: bool):
+    flags = [*args.launcher_arg] + (["--speculate", "ngram", *args.speculate_arg] if speculate else [])
+    with launched(args.launcher, flags, args.ready_timeout, port=args.port) as url:
         yield url
-    finally:
-        stop(proc)
 
 
 def grounded_plan(num_prompts: int, output_len: int, seed: int) -> Plan:
@@ -174,7 +161,7 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     try:
         for label, speculate, url in (("on", True, args.on_url), ("off", False, args.off_url)):
-            server = contextlib.nullcontext(url) if url else launched(args, speculate)
+            server = contextlib.nullcontext(url) if url else started(args, speculate)
             with server as base:
                 for workload, c in runs:
                     row = run(args, base, label, workload, c)

@@ -60,7 +60,9 @@ def test_on_then_off_with_identical_requests(fake_launcher, tmp_path, capsys):
     from _bench_fakes import byte_level_bpe
 
     byte_level_bpe().save(str(tmp_path / "tokenizer.json"))
-    port = load_script().free_port()
+    from sluice_bench.launch import free_port
+
+    port = free_port()
     out = tmp_path / "prefix.json"
     code = load_script().main([
         "--launcher", str(exe), "--port", str(port), "--launcher-arg=--max-batch-prefill-tokens=256",
