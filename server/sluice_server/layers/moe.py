@@ -12,6 +12,17 @@ Routing, as each family's transformers model computes it:
                    norm_topk_prob, Mixtral always)
     topk_softmax   keep the k largest logits, softmax over them (gpt-oss)
 
+A family may add a shared expert (Qwen2-MoE): a dense MLP every token
+goes through, its output scaled per token by sigmoid(x w_gate^T) when the
+family gates it, and added to the routed experts' sum:
+
+    y[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t])
+           + sigmoid(x[t] . shared_expert_gate) * shared_expert(x[t])
+
+The shared expert is the model's own dense MLP module (fused gate/up,
+column- then row-parallel), built by the family and handed to the layer
+unreduced, so the layer's one all-reduce sums both.
+
 Activations: `silu` (SwiGLU: silu(gate) * up), `swiglu_oai` (gpt-oss:
 gate clamped above at `limit`, up clamped to [-limit, limit],
 (up + 1) * gate * sigmoid(alpha * gate)).
@@ -26,7 +37,10 @@ Tensor parallelism splits every expert's intermediate dimension, as the
 dense MLP's (each rank holds rows [rank * I/N, (rank + 1) * I/N) of every
 expert's gate and up and those columns of its down): one all-reduce per
 layer, the router and the down biases whole on every rank (the bias added
-on rank 0 only, before the reduction).
+on rank 0 only, before the reduction). A shared expert's intermediate
+dimension is split the same way, its gate whole on every rank: the gate
+scales each rank's partial sum alike, so the sum of the scaled parts is the
+scaled sum.
 
 Weights, per layer (this rank's slice; I_r = intermediate_size / world):
 
@@ -34,6 +48,9 @@ Weights, per layer (this rank's slice; I_r = intermediate_size / world):
     w13_weight      [E, 2 I_r, H]     rows [gate | up] of each expert
     w2_weight       [E, H, I_r]
     w13_bias        [E, 2 I_r]        w2_bias      [E, H]        (expert_bias)
+    shared_expert.gate_up_proj.weight [2 S_r, H], .down_proj.weight [H, S_r]
+                                      (S_r = shared_expert_size / world)
+    shared_expert_gate.weight [1, H]                              (shared_expert_gate)
 
 Checkpoints store them one tensor per expert and projection (Qwen3-MoE's
 `experts.{e}.gate_proj`, Mixtral's `experts.{e}.w1`), or stacked (gpt-oss's
@@ -75,6 +92,10 @@ class MoESpec:
     # swiglu_oai's constants (gpt-oss: alpha 1.702, limit 7).
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # The shared expert's intermediate size (whole), 0 without one, and
+    # whether a sigmoid gate scales its output (Qwen2-MoE).
+    shared_expert_size: int = 0
+    shared_expert_gate: bool = False
 
     def __post_init__(self):
         if self.scoring not in (SOFTMAX_TOPK, TOPK_SOFTMAX):
@@ -83,6 +104,8 @@ class MoESpec:
             raise ValueError(f"expert activation {self.activation!r} is not supported ({', '.join(ACTIVATIONS)})")
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.top_k} must be in [1, num_experts={self.num_experts}]")
+        if self.shared_expert_gate and not self.shared_expert_size:
+            raise ValueError("a shared expert gate without a shared expert (shared_expert_size 0)")
 
     @property
     def act(self) -> Activation:
@@ -113,7 +136,10 @@ def route(logits: torch.Tensor, spec: MoESpec) -> tuple[torch.Tensor, torch.Tens
 
 class FusedMoE(nn.Module):
     """The expert MLP of one layer (module docstring): router, grouped
-    experts, one all-reduce.
+    experts, the shared expert when the family has one, one all-reduce.
+
+    `shared_expert`: a module x [T, H] -> this rank's partial [T, H] (not
+    reduced), of intermediate size `spec.shared_expert_size`.
 
     `quantized`: on CPU, the experts' GGUF or MXFP4 blocks
     (sluice_kernels.moe.QuantizedExperts, attached by layers.gguf_weights),
@@ -121,8 +147,13 @@ class FusedMoE(nn.Module):
 
     quantized = None
 
-    def __init__(self, spec: MoESpec, dist: Distributed, ops: TorchOps | None = None):
+    def __init__(
+        self, spec: MoESpec, dist: Distributed, ops: TorchOps | None = None, shared_expert: nn.Module | None = None
+    ):
         super().__init__()
+        if (shared_expert is not None) != bool(spec.shared_expert_size):
+            raise ValueError(f"shared_expert_size={spec.shared_expert_size} but the shared expert module is "
+                             f"{'missing' if shared_expert is None else 'given'}")
         self.spec = spec
         self.dist = dist
         # The backend's ops: their expert_mlp is the grouped computation
@@ -146,6 +177,12 @@ class FusedMoE(nn.Module):
             self.w2_bias = _param(torch.empty(e, h), self.load_expert, pieces=e)
         else:
             self.w13_bias = self.w2_bias = None
+        self.shared_expert = shared_expert
+        if spec.shared_expert_gate:
+            self.shared_expert_gate = nn.Module()
+            self.shared_expert_gate.weight = _param(torch.empty(1, h), self._load_whole)
+        else:
+            self.shared_expert_gate = None
 
     # -- loading -----------------------------------------------------------
 
@@ -210,7 +247,16 @@ class FusedMoE(nn.Module):
             y = self.quantized.mlp(x, ids, weights, self.w13_bias, b2, self.spec.act)
         else:
             y = self.ops.expert_mlp(x, ids, weights, self.w13_weight, self.w2_weight, self.w13_bias, b2, self.spec.act)
+        if self.shared_expert is not None:
+            y = y + self._shared(x)
         return self.dist.all_reduce(y)
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the shared expert's output, gated per token."""
+        s = self.shared_expert(x)
+        if self.shared_expert_gate is not None:
+            s = torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * s
+        return s
 
 
 def _param(t: torch.Tensor, loader, pieces: int = 1) -> nn.Parameter:
