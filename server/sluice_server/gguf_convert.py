@@ -75,6 +75,7 @@ GGUF_ARCHITECTURES = {
     "mistral": "mistral",
     "phi3": "phi3",
     "qwen2": "qwen2",
+    "qwen2moe": "qwen2_moe",
     "qwen3": "qwen3",
     "qwen3moe": "qwen3_moe",
 }
@@ -265,11 +266,16 @@ def _write_folder(gguf_path: Path, folder: Path) -> None:
 
 # Config keys transformers' GGUF reader does not map although the weights'
 # shapes depend on them: {architecture: {config key: GGUF metadata key}}.
-# Without them it assumes Qwen3's head_dim of 128 and Qwen3-30B-A3B's expert
-# width of 768.
+# Without them it assumes Qwen3's head_dim of 128, Qwen3-30B-A3B's expert
+# width of 768, and Qwen1.5-MoE-A2.7B's expert and shared expert widths
+# (1408, 5632).
 CONFIG_GAPS = {
     "qwen3": {"head_dim": "qwen3.attention.key_length"},
     "qwen3moe": {"moe_intermediate_size": "qwen3moe.expert_feed_forward_length"},
+    "qwen2moe": {
+        "moe_intermediate_size": "qwen2moe.expert_feed_forward_length",
+        "shared_expert_intermediate_size": "qwen2moe.expert_shared_feed_forward_length",
+    },
 }
 
 

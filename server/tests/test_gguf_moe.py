@@ -10,6 +10,12 @@ layer's experts stacked in one tensor per projection (`ffn_gate_exps`,
 - Qwen3-MoE (`qwen3moe`): random K-quant / Q8_0 blocks; the shard equals
   transformers reading the GGUF itself, and the expert blocks are what
   decodes run on with --dtype auto.
+- Qwen2-MoE (`qwen2moe`): the routed experts as above, plus the shared
+  expert (`ffn_{gate,up,down}_shexp`) and its gate (`ffn_gate_inp_shexp`, a
+  vector, as llama.cpp stores it); its widths come from
+  `expert_feed_forward_length` and `expert_shared_feed_forward_length`.
+  Written in float32, the conversion restores the checkpoint exactly; in
+  Q8_0 blocks, the shared expert runs on its blocks like a dense MLP.
 - YaRN in the metadata (`rope.scaling.type` yarn, factor, original context)
   becomes the converted config's rope settings and served length.
 """
@@ -34,6 +40,7 @@ from test_gguf_families import VOCAB_BYTES, random_blocks, vocabulary
 EXPERT_NAMES = {
     "mixtral": {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"},
     "qwen3_moe": {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"},
+    "qwen2_moe": {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"},
 }
 
 
@@ -65,6 +72,8 @@ def gguf_tensors(hf_folder: Path, arch: str) -> dict[str, torch.Tensor]:
         if family == "mixtral" and stem.endswith(("q_proj", "k_proj")):
             heads = config["num_attention_heads" if stem.endswith("q_proj") else "num_key_value_heads"]
             tensor = llama_cpp_permute(tensor, heads)
+        if stem.endswith("shared_expert_gate"):  # llama.cpp stores the [1, H] gate as a vector
+            tensor = tensor.reshape(-1)
         out[f"{names.get_name(stem)}.{suffix}"] = tensor
     for stacked, by_expert in experts.items():
         out[stacked] = torch.stack([by_expert[e] for e in sorted(by_expert)])
@@ -95,6 +104,9 @@ def write_gguf(path: Path, arch: str, hf_folder: Path, block_type: str | None, r
         writer.add_value_length(config["head_dim"])
     else:
         writer.add_rope_dimension_count(config["hidden_size"] // config["num_attention_heads"])
+    if arch == "qwen2moe":
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     if rope:
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(rope["factor"])
@@ -193,3 +205,52 @@ def test_qwen3moe_decodes_run_on_the_expert_blocks(qwen3moe_gguf):
     torch.testing.assert_close(logits["float32"], run(dense, tokens), atol=1e-4, rtol=0)
     rel = (logits["auto"] - logits["float32"]).norm() / logits["float32"].norm()
     assert rel < 0.05, rel
+
+
+# GGUF records neither dense layers among expert ones nor sliding windows
+# (llama.cpp's qwen2moe has neither); the widths differ from transformers'
+# defaults for Qwen2-MoE, so the converted config must take them from the file.
+QWEN2MOE = dict(SIZES, mlp_only_layers=[], use_sliding_window=False)
+
+
+def test_qwen2moe_gguf_restores_the_checkpoint(tmp_path):
+    hf = make_tiny_model(tmp_path / "hf", "qwen2_moe", seed=7, vocab_size=len(vocabulary()[0]), **QWEN2MOE)
+    gguf_path = tmp_path / "tiny-qwen2moe.gguf"
+    write_gguf(gguf_path, "qwen2moe", hf, block_type=None)
+    folder = resolve_model(str(gguf_path), cache_dir=str(tmp_path / "cache"))
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == "qwen2_moe"
+    assert (config["moe_intermediate_size"], config["shared_expert_intermediate_size"]) == (32, 48)
+    tokens = torch.randint(0, VOCAB_BYTES, (21,), generator=torch.Generator().manual_seed(4)).tolist()
+    torch.testing.assert_close(run(folder, tokens), reference_logits(hf, tokens), atol=1e-4, rtol=0)
+
+
+def test_qwen2moe_shared_expert_runs_on_its_blocks(tmp_path):
+    """Q8_0 blocks (a shared expert of width 64: whole blocks of 32): the
+    routed experts and the shared expert get their blocks; with --dtype
+    float32 the steps equal transformers reading the GGUF itself."""
+    import transformers
+
+    from sluice_kernels import cpu_kernels
+    from sluice_server.gguf_convert import _dequantize_option
+
+    if not cpu_kernels.load():
+        pytest.skip(f"the C++ CPU kernels are off here: {cpu_kernels.unavailable_reason()}")
+    hf = make_tiny_model(tmp_path / "hf", "qwen2_moe", seed=8, vocab_size=len(vocabulary()[0]),
+                         shared_expert_intermediate_size=64, **QWEN2MOE)
+    gguf_path = tmp_path / "tiny-qwen2moe-q8.gguf"
+    write_gguf(gguf_path, "qwen2moe", hf, block_type="Q8_0")
+    folder = resolve_model(str(gguf_path), cache_dir=str(tmp_path / "cache"))
+    runner = ModelRunner(folder, dtype="float32", block_size=4)
+    for layer in runner.model.model.layers:
+        shared = layer.mlp.shared_expert
+        assert layer.mlp.quantized is not None
+        assert shared.gate_up_proj.quantized is not None and shared.down_proj.quantized is not None
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32,
+        config=transformers.AutoConfig.from_pretrained(folder), **_dequantize_option(),
+    )
+    tokens = torch.randint(0, VOCAB_BYTES, (16,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.no_grad():
+        want = reference(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(run(runner, tokens), want, atol=1e-4, rtol=0)
