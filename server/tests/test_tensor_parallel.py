@@ -95,10 +95,12 @@ def test_tiny_models_agree_over_1_2_3_shards(tmp_path, name):
 # the 10-token prompt is longer than the 8-token sliding windows (Phi-3's is 16;
 # its LongRoPE runs the long factors past 8 positions). Gemma 3's one
 # key-value head is copied on every shard. The mixtures of experts split each
-# expert's intermediate size (Qwen3-MoE's 32 over 4: 8 rows each), gpt-oss
-# its sinks with the query heads.
+# expert's intermediate size (Qwen3-MoE's 32 over 4: 8 rows each), Qwen2-MoE
+# its shared expert's too (48 over 4: 12 rows), gpt-oss its sinks with the
+# query heads.
 FAMILIES = {
     "qwen3_moe": (dict(num_attention_heads=4, num_key_value_heads=2), (2, 4)),
+    "qwen2_moe": (dict(num_attention_heads=4, num_key_value_heads=2), (2, 4)),
     "mixtral": (dict(num_attention_heads=4, num_key_value_heads=2), (2,)),
     "gpt_oss": (dict(num_attention_heads=4, num_key_value_heads=2), (2, 4)),
     "qwen3": (dict(num_attention_heads=4, num_key_value_heads=2), (2, 4)),
