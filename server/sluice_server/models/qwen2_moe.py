@@ -40,14 +40,14 @@ from torch import nn
 
 from sluice_server.layers.moe import FusedMoE, MoESpec
 from sluice_server.models.llama import LlamaConfig, LlamaForCausalLM, LlamaMLP
-from sluice_server.models.qwen3_moe import MoEConfig, MoEDecoderLayer, num_experts, softmax_topk_spec
+from sluice_server.models.qwen3_moe import MoEConfig, MoEDecoderLayer, softmax_topk_spec
 
 
 @dataclass(frozen=True)
 class Qwen2MoeConfig(MoEConfig):
     @classmethod
     def from_dict(cls, c: dict[str, Any]) -> "Qwen2MoeConfig":
-        if not num_experts(c):
+        if not c.get("num_experts"):
             raise ValueError("qwen2_moe with num_experts 0 (no expert layers) is not supported")
         # Qwen2's bias rule under its own flag: q, k and v (default on), never o.
         base = dataclasses.replace(LlamaConfig.from_dict(c), qkv_bias=bool(c.get("qkv_bias", True)), o_bias=False)
