@@ -144,8 +144,9 @@ def sliding_windows(c: dict[str, Any]) -> tuple[int | None, ...]:
 def check_tensor_parallel(cfg: LlamaConfig, world_size: int) -> None:
     """Raises one clear error, naming the numbers, when the model does not
     split evenly over `world_size` shards: query heads and the MLP width (each
-    expert's and the shared expert's, for mixtures of experts) must divide; key/value heads must divide, or divide the shard count (then each
-    is replicated on world_size / num_kv_heads shards)."""
+    expert's and the shared expert's, for mixtures of experts) must divide;
+    key/value heads must divide, or divide the shard count (then each is
+    replicated on world_size / num_kv_heads shards)."""
     problems = []
     if cfg.num_attention_heads % world_size:
         problems.append(f"num_attention_heads={cfg.num_attention_heads} is not divisible by {world_size}")
@@ -160,7 +161,9 @@ def check_tensor_parallel(cfg: LlamaConfig, world_size: int) -> None:
     if moe is not None and moe.intermediate_size % world_size:
         problems.append(f"the experts' intermediate size {moe.intermediate_size} is not divisible by {world_size}")
     if moe is not None and moe.shared_expert_size % world_size:
-        problems.append(f"the shared expert's intermediate size {moe.shared_expert_size} is not divisible by {world_size}")
+        problems.append(
+            f"the shared expert's intermediate size {moe.shared_expert_size} is not divisible by {world_size}"
+        )
     if problems:
         raise ValueError(f"the model cannot be split over {world_size} shards: " + "; ".join(problems))
 
