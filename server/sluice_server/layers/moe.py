@@ -189,7 +189,8 @@ class FusedMoE(nn.Module):
     @staticmethod
     def _load_whole(param: nn.Parameter, checkpoint, shard_id: int = 0) -> None:
         if tuple(checkpoint.get_shape()) != tuple(param.shape):
-            raise ValueError(f"router tensor: checkpoint shape {tuple(checkpoint.get_shape())} != {tuple(param.shape)}")
+            raise ValueError(f"router or shared expert gate: checkpoint shape {tuple(checkpoint.get_shape())} "
+                             f"!= {tuple(param.shape)}")
         param.data.copy_(checkpoint[:])
 
     def load_expert(self, param: nn.Parameter, checkpoint, shard_id: int) -> None:
