@@ -254,3 +254,99 @@ def test_qwen2moe_shared_expert_runs_on_its_blocks(tmp_path):
     with torch.no_grad():
         want = reference(torch.tensor([tokens])).logits[0]
     torch.testing.assert_close(run(runner, tokens), want, atol=1e-4, rtol=0)
+
+
+# --- gpt-oss (`gpt-oss`): experts as MXFP4 blocks --------------------------
+
+def write_gpt_oss_gguf(path: Path, mxfp4_folder: Path) -> None:
+    """A gpt-oss GGUF as llama.cpp's converter writes one, from a gpt-oss
+    MXFP4 checkpoint (testing.to_mxfp4_checkpoint): gate and up split out of
+    their interleaved rows, the expert blocks repacked into ggml's MXFP4
+    bytes, everything else float32, YaRN in the metadata. The converter
+    clamps SwiGLU at 7 (no per-file key)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    from sluice_server.gguf_gpt_oss import ggml_mxfp4
+
+    config = json.loads((mxfp4_folder / "config.json").read_text())
+    rope = config["rope_parameters"]
+    tokens, merges = vocabulary()
+    writer = gguf.GGUFWriter(str(path), "gpt-oss")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_expert_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_sliding_window(config["sliding_window"])
+    writer.add_expert_count(config["num_local_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    add_bpe_vocabulary(writer, tokens, merges)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, config["num_hidden_layers"])
+    tensors = load_file(str(mxfp4_folder / "model.safetensors"))
+    out = {}
+    for name, tensor in tensors.items():
+        if ".experts." not in name:
+            stem, suffix = name.rsplit(".", 1) if not name.endswith("sinks") else (name, "weight")
+            out[f"{names.get_name(stem)}.{suffix}"] = tensor.float().numpy()
+            continue
+        layer = name.split(".")[2]
+        kind = name.rsplit(".", 1)[1]
+        if kind == "gate_up_proj_bias":
+            out[f"blk.{layer}.ffn_gate_exps.bias"] = tensor[:, 0::2].numpy()
+            out[f"blk.{layer}.ffn_up_exps.bias"] = tensor[:, 1::2].numpy()
+        elif kind == "down_proj_bias":
+            out[f"blk.{layer}.ffn_down_exps.bias"] = tensor.numpy()
+        elif kind == "gate_up_proj_blocks":
+            scales = tensors[name.replace("_blocks", "_scales")]
+            out[f"blk.{layer}.ffn_gate_exps.weight"] = ggml_mxfp4(tensor[:, 0::2], scales[:, 0::2])
+            out[f"blk.{layer}.ffn_up_exps.weight"] = ggml_mxfp4(tensor[:, 1::2], scales[:, 1::2])
+        elif kind == "down_proj_blocks":
+            out[f"blk.{layer}.ffn_down_exps.weight"] = ggml_mxfp4(tensor, tensors[name.replace("_blocks", "_scales")])
+    for name, value in sorted(out.items()):
+        if value.dtype == np.uint8:
+            writer.add_tensor(name, value, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+        else:
+            writer.add_tensor(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gpt_oss_gguf_serves_its_mxfp4_experts_and_equals_transformers(tmp_path):
+    """The converted folder is a gpt-oss MXFP4 checkpoint (experts as blocks,
+    YaRN, windows and expert counts from the metadata); the shard's logits
+    equal transformers on the MXFP4 checkpoint the file was written from
+    (transformers places no gpt-oss GGUF experts), with the experts on their
+    MXFP4 blocks on CPU and, without the C++ kernels, on the dense copy."""
+    from sluice_kernels import cpu_kernels
+    from sluice_server.testing import to_mxfp4_checkpoint
+
+    hf = to_mxfp4_checkpoint(make_tiny_model(tmp_path / "hf", "gpt_oss", seed=9, vocab_size=len(vocabulary()[0]),
+                                             swiglu_limit=7.0, max_position_embeddings=64))
+    gguf_path = tmp_path / "tiny-gpt-oss.gguf"
+    write_gpt_oss_gguf(gguf_path, hf)
+    folder = resolve_model(str(gguf_path), cache_dir=str(tmp_path / "cache"))
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["model_type"], config["quantization_config"]["quant_method"]) == ("gpt_oss", "mxfp4")
+    assert (config["num_local_experts"], config["num_experts_per_tok"], config["sliding_window"]) == (4, 2, 8)
+    rope = config["rope_parameters"]
+    assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"]) == ("yarn", 16.0, 16)
+    tokens = torch.randint(0, VOCAB_BYTES, (20,), generator=torch.Generator().manual_seed(6)).tolist()
+    want = reference_logits(hf, tokens)
+    runner = ModelRunner(folder, dtype="float32", block_size=4)
+    if cpu_kernels.load():
+        assert all(layer.mlp.quantized is not None for layer in runner.model.model.layers)
+    torch.testing.assert_close(run(runner, tokens), want, atol=1e-4, rtol=0)
+    # Greedy: the next token after every prefix is transformers'.
+    assert run(folder, tokens).argmax(-1).tolist() == want.argmax(-1).tolist()
