@@ -141,10 +141,11 @@ def sliding_windows(c: dict[str, Any]) -> tuple[int | None, ...]:
     return tuple(int(window) if t == "sliding_attention" else None for t in types)
 
 
-def check_tensor_parallel(cfg: LlamaConfig, world_size: int) -> None:
+def check_tensor_parallel(cfg: LlamaConfig, world_size: int, expert_parallel: bool = False) -> None:
     """Raises one clear error, naming the numbers, when the model does not
     split evenly over `world_size` shards: query heads and the MLP width (each
-    expert's and the shared expert's, for mixtures of experts) must divide;
+    expert's and the shared expert's, for mixtures of experts; with
+    `expert_parallel`, the number of experts instead of each one's width) must divide;
     key/value heads must divide, or divide the shard count (then each is
     replicated on world_size / num_kv_heads shards)."""
     problems = []
@@ -158,7 +159,12 @@ def check_tensor_parallel(cfg: LlamaConfig, world_size: int) -> None:
     if dense_layers and cfg.intermediate_size % world_size:
         problems.append(f"intermediate_size={cfg.intermediate_size} is not divisible by {world_size}")
     moe = getattr(cfg, "moe", None)
-    if moe is not None and moe.intermediate_size % world_size:
+    if moe is None and expert_parallel:
+        problems.append("--expert-parallel: the model has no expert layers")
+    if moe is not None and expert_parallel and world_size > 1 and moe.num_experts % world_size:
+        problems.append(f"num_experts={moe.num_experts} is not divisible by {world_size} "
+                        f"(--expert-parallel gives each shard whole experts)")
+    if moe is not None and not expert_parallel and moe.intermediate_size % world_size:
         problems.append(f"the experts' intermediate size {moe.intermediate_size} is not divisible by {world_size}")
     if moe is not None and moe.shared_expert_size % world_size:
         problems.append(
@@ -189,7 +195,7 @@ def kv_head_range(cfg: LlamaConfig, dist: Distributed) -> tuple[int, int]:
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: LlamaConfig, dist: Distributed, backend: AttentionBackend, index: int):
         super().__init__()
-        check_tensor_parallel(cfg, dist.world_size)
+        check_tensor_parallel(cfg, dist.world_size, dist.expert_parallel)
         self.layer = LayerAttention(sliding_window=cfg.sliding_windows[index])
         self.num_heads = cfg.num_attention_heads // dist.world_size
         first_kv, last_kv = kv_head_range(cfg, dist)
@@ -316,7 +322,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: dict[str, Any], dist: Distributed, backend: AttentionBackend):
         super().__init__()
         self.config = cfg = self.config_cls.from_dict(config)
-        check_tensor_parallel(cfg, dist.world_size)
+        check_tensor_parallel(cfg, dist.world_size, dist.expert_parallel)
         first_kv, last_kv = kv_head_range(cfg, dist)
         self.num_local_kv_heads = last_kv - first_kv
         self.model = self.decoder(cfg, dist, backend)
