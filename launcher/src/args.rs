@@ -96,6 +96,12 @@ pub struct Args {
     #[arg(long, env = "SLUICE_CPU_BLOCK_ROWS", value_name = "N")]
     pub cpu_block_rows: Option<u32>,
 
+    /// Mixtures of experts over several shards: each shard holds num_experts / --num-shard
+    /// whole experts (a count that does not divide is refused at start) instead of a slice of
+    /// every expert's intermediate dimension. The outputs are the same.
+    #[arg(long, env = "SLUICE_EXPERT_PARALLEL")]
+    pub expert_parallel: bool,
+
     /// LoRA adapters the shards hold at once (adapter slots, allocated at warmup beside the KV
     /// cache); others are loaded on demand in place of the least recently used one no running
     /// request uses. Default: 4 when --lora-adapters or --lora-root is given, else 0 (no LoRA).
@@ -240,9 +246,10 @@ mod tests {
             "--served-model-name", "m", "--chat-template", "t.jinja", "--shutdown-timeout", "5",
             "--tool-call-parser", "llama3_json", "--trust-remote-code", "--kv-cache-bytes", "1000000", "--hourly-cost", "1.5",
             "--cost-window-secs", "30", "--step-timeout", "45", "--no-web-ui", "--kv-cache-dtype", "float32",
-            "--cpu-kernels", "on", "--cpu-block-rows", "8",
+            "--cpu-kernels", "on", "--cpu-block-rows", "8", "--expert-parallel",
         ])
         .unwrap();
+        assert!(a.expert_parallel);
         assert_eq!(
             (a.kv_cache_dtype.as_deref(), a.cpu_kernels.as_deref(), a.cpu_block_rows),
             (Some("float32"), Some("on"), Some(8))
@@ -333,6 +340,7 @@ mod tests {
             ("SLUICE_KV_CACHE_DTYPE", "bfloat16"),
             ("SLUICE_CPU_KERNELS", "off"),
             ("SLUICE_CPU_BLOCK_ROWS", "0"),
+            ("SLUICE_EXPERT_PARALLEL", "true"),
             ("SLUICE_MAX_LORAS", "3"),
             ("SLUICE_MAX_LORA_RANK", "32"),
             ("SLUICE_LORA_ROOT", "/adapters"),
@@ -361,6 +369,7 @@ mod tests {
         assert_eq!(a.serving.otlp_service_name.as_deref(), Some("sluice-test"));
         assert_eq!(a.huggingface_hub_cache, Some(PathBuf::from("/hub-cache")));
         assert_eq!(a.kv_cache_bytes, Some(4096));
+        assert!(a.expert_parallel);
         assert_eq!(a.serving.hourly_cost, Some(0.75));
         assert_eq!(
             (a.kv_cache_dtype.as_deref(), a.cpu_kernels.as_deref(), a.cpu_block_rows),

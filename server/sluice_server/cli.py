@@ -3,6 +3,7 @@
     sluice-server serve MODEL_DIR --uds-path PATH [--dtype auto|float32|bfloat16|float16]
                   [--device cpu|cuda] [--kv-cache-bytes N] [--block-size 16]
                   [--kv-cache-dtype auto|float32|bfloat16] [--cpu-kernels auto|on|off]
+                  [--expert-parallel]
                   [--cpu-block-rows N] [--num-threads N]
                   [--attention-backend auto|torch|triton] [--json-output]
                   [--max-loras N] [--max-lora-rank R] [--lora-root DIR ...]
@@ -92,6 +93,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     serve.add_argument("--cpu-block-rows", type=int, default=None, metavar="N",
                        help="CPU matmuls of at most N rows run on a GGUF's blocks (0: never); "
                             "default: from the CPU's features")
+    serve.add_argument("--expert-parallel", action="store_true",
+                       help="mixtures of experts over several shards: each shard holds num_experts / N whole "
+                            "experts (the count must divide) instead of a slice of every expert")
     serve.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                        help="auto: triton on CUDA, torch on CPU (triton on CPU needs TRITON_INTERPRET=1)")
     serve.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -128,7 +132,8 @@ async def serve(args: argparse.Namespace) -> int:
     if args.block_size <= 0:
         raise ValueError(f"--block-size must be > 0, got {args.block_size}")
     options = ShardOptions(
-        kv_cache_dtype=args.kv_cache_dtype, cpu_kernels=args.cpu_kernels, cpu_block_rows=args.cpu_block_rows
+        kv_cache_dtype=args.kv_cache_dtype, cpu_kernels=args.cpu_kernels, cpu_block_rows=args.cpu_block_rows,
+        expert_parallel=args.expert_parallel,
     )
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -19,6 +19,10 @@ import torch.distributed as dist
 class Distributed:
     rank: int
     world_size: int
+    # How expert layers split over the ranks (--expert-parallel): False,
+    # every expert's intermediate dimension (tensor parallel); True, whole
+    # experts, E / world_size per rank (layers/moe.py).
+    expert_parallel: bool = False
 
     @property
     def is_parallel(self) -> bool:

@@ -42,6 +42,9 @@ Two additions to what transformers reads:
   not read; `write_mixtral_folder` dequantizes the tensors with the gguf
   package itself, undoes llama.cpp's q/k row permutation and writes the
   Mixtral checkpoint layout, one safetensors file per layer.
+- gpt-oss. transformers does not place its stacked experts either;
+  gguf_gpt_oss.py writes the checkpoint layout with the experts kept as
+  MXFP4 blocks (as the released checkpoints are), the rest in float32.
 """
 
 from __future__ import annotations
@@ -56,9 +59,11 @@ import shutil
 import socket
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
+from sluice_server.gguf_gpt_oss import ARCH as GPT_OSS_ARCH, write_gpt_oss_folder
 from sluice_server.gguf_header import GGML_QUANT_SIZES, GGUFFormatError, GGUFHeader, read_header, tensor_bytes
 from sluice_server.model_folder import SOURCE_FILE, ModelResolutionError, check_model_folder, progress
 
@@ -71,10 +76,12 @@ FORMAT_VERSION = 3
 # under "llama" (without their sliding window, which GGUF does not record).
 GGUF_ARCHITECTURES = {
     "gemma3": "gemma3_text",
+    "gpt-oss": "gpt_oss",
     "llama": "llama",
     "mistral": "mistral",
     "phi3": "phi3",
     "qwen2": "qwen2",
+    "qwen2moe": "qwen2_moe",
     "qwen3": "qwen3",
     "qwen3moe": "qwen3_moe",
 }
@@ -90,6 +97,7 @@ GGUF_TENSOR_TYPES = (
     "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
     "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS",
+    "MXFP4",
 )
 
 
@@ -235,14 +243,16 @@ def _process_alive(pid: int) -> bool:
 
 def _write_folder(gguf_path: Path, folder: Path) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     header = read_header(gguf_path)
     source = dict(pretrained_model_name_or_path=str(gguf_path.parent), gguf_file=gguf_path.name)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(**source, trust_remote_code=False)
+        tokenizer = _tokenizer(source, header)
         if gguf_model_type(header) == MIXTRAL:
             config = write_mixtral_folder(gguf_path, header, folder, tokenizer)
+        elif header.architecture == GPT_OSS_ARCH:
+            config = SimpleNamespace(**write_gpt_oss_folder(gguf_path, header, folder, tokenizer))
         else:
             model = AutoModelForCausalLM.from_pretrained(
                 **source, dtype=torch.float32, trust_remote_code=False, **_config_option(source, header),
@@ -263,13 +273,30 @@ def _write_folder(gguf_path: Path, folder: Path) -> None:
     (folder / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf_path)}) + "\n")
 
 
+def _tokenizer(source: dict, header: GGUFHeader):
+    """The file's tokenizer. AutoTokenizer reads the file's config first,
+    which fails on a gpt-oss file with YaRN keys (transformers 5 parses each
+    `gpt-oss.rope.scaling.*` value from the key's bytes); the fast tokenizer
+    class reads only the tokenizer's keys."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if header.architecture == GPT_OSS_ARCH:
+        return PreTrainedTokenizerFast.from_pretrained(**source)
+    return AutoTokenizer.from_pretrained(**source, trust_remote_code=False)
+
+
 # Config keys transformers' GGUF reader does not map although the weights'
 # shapes depend on them: {architecture: {config key: GGUF metadata key}}.
-# Without them it assumes Qwen3's head_dim of 128 and Qwen3-30B-A3B's expert
-# width of 768.
+# Without them it assumes Qwen3's head_dim of 128, Qwen3-30B-A3B's expert
+# width of 768, and Qwen1.5-MoE-A2.7B's expert and shared expert widths
+# (1408, 5632).
 CONFIG_GAPS = {
     "qwen3": {"head_dim": "qwen3.attention.key_length"},
     "qwen3moe": {"moe_intermediate_size": "qwen3moe.expert_feed_forward_length"},
+    "qwen2moe": {
+        "moe_intermediate_size": "qwen2moe.expert_feed_forward_length",
+        "shared_expert_intermediate_size": "qwen2moe.expert_shared_feed_forward_length",
+    },
 }
 
 

@@ -230,7 +230,8 @@ class ModelRunner:
         # Decode steps in one C++ call (models.llama_cpu_decoder), where it applies.
         self.cpu_decoder: LlamaCpuDecoder | None = None
         self.block_size = block_size
-        self.dist = dist
+        # The layers read the expert layout from the group they run in.
+        self.dist = dist = dataclasses.replace(dist, expert_parallel=options.expert_parallel)
         self.options = options
         # The C++ CPU kernels in use: attention, small ops, GGUF block
         # matmuls, the decoder; their instruction-set path ("none": unused).

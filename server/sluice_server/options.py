@@ -27,6 +27,9 @@ class ShardOptions:
     # --cpu-block-rows: matmuls of at most this many rows run on a GGUF's
     # blocks (0: never); None: the CPU's own limit (cpu_matmuls).
     cpu_block_rows: int | None = None
+    # --expert-parallel: with several shards, each holds E / N whole experts
+    # of every expert layer instead of a slice of every expert (layers/moe.py).
+    expert_parallel: bool = False
 
     def __post_init__(self):
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

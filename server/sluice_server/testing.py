@@ -34,7 +34,10 @@ def make_tiny_model(folder: Path, kind: str = "llama", seed: int = 0, **override
     rope on the global one, logit soft-capping), "phi3" (fused tensors,
     LongRoPE past 8 positions, half the head rotated, a window of 16),
     "yarn" (Qwen3 with YaRN over an original 16 positions, factor 16),
-    "qwen3_moe" (8 experts, top 2, renormalized; head_dim 32), "mixtral" (4
+    "qwen3_moe" (8 experts, top 2, renormalized; head_dim 32), "qwen2_moe"
+    (3 layers: the middle one dense (`mlp_only_layers`), the others 8
+    experts, top 2, not renormalized, and a gated shared expert of width 48;
+    the first layer windowed), "mixtral" (4
     experts, top 2, a window of 16), "gpt_oss" (4 experts, top 2, sinks,
     biases, alternating windows of 8, YaRN over an original 16 positions,
     the SwiGLU clamp at 1 so that it bites). Router weights are drawn with a
@@ -48,7 +51,8 @@ def make_tiny_model(folder: Path, kind: str = "llama", seed: int = 0, **override
     import transformers
 
     torch.manual_seed(seed)
-    args = dict(TINY, **overrides)
+    args = dict(TINY, **(dict(num_hidden_layers=3) if kind == "qwen2_moe" else {}))
+    args.update(overrides)
     if kind == "qwen2":
         config = transformers.Qwen2Config(**args, tie_word_embeddings=False)
     elif kind == "tied":
@@ -114,6 +118,13 @@ def make_tiny_model(folder: Path, kind: str = "llama", seed: int = 0, **override
                         norm_topk_prob=True), **args),
             tie_word_embeddings=False,
         )
+    elif kind == "qwen2_moe":
+        config = transformers.Qwen2MoeConfig(
+            **dict(dict(mlp_only_layers=[1], num_experts=8, num_experts_per_tok=2,
+                        moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=False,
+                        use_sliding_window=True, sliding_window=TINY_WINDOW, max_window_layers=2), **args),
+            tie_word_embeddings=False,
+        )
     elif kind == "mixtral":
         config = transformers.MixtralConfig(
             **dict(dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=16), **args),
@@ -145,7 +156,7 @@ def make_tiny_model(folder: Path, kind: str = "llama", seed: int = 0, **override
                 p.normal_(0, 0.5)
             elif name.endswith("norm.weight"):
                 p.add_(torch.randn_like(p) * 0.2)
-            elif name.endswith(("router.weight", "mlp.gate.weight", "sinks")):
+            elif name.endswith(("router.weight", "mlp.gate.weight", "shared_expert_gate.weight", "sinks")):
                 p.normal_(0, 1)
             elif kind == "gpt_oss" and ".experts." in name:
                 p.mul_(10)

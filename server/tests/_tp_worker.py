@@ -1,6 +1,7 @@
 """One rank of a tensor-parallel run, started by test_tensor_parallel.py.
 
-    python _tp_worker.py MODEL_DIR OUT_PREFIX TOKENS   (RANK, WORLD_SIZE, ... in the environment)
+    python _tp_worker.py MODEL_DIR OUT_PREFIX TOKENS [--expert-parallel]
+        (RANK, WORLD_SIZE, ... in the environment)
 
 Writes OUT_PREFIX-RANK.pt with:
   logits       [len(TOKENS), vocab] from a prefill of all but two tokens, then two decodes
@@ -23,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import Driver  # noqa: E402
 from sluice_server.distributed import init_distributed  # noqa: E402
 from sluice_server.model_runner import ModelRunner  # noqa: E402
+from sluice_server.options import ShardOptions  # noqa: E402
 from sluice_server.pb import shard_pb2  # noqa: E402
 from sluice_server.servicer import Shard  # noqa: E402
 
@@ -41,7 +43,8 @@ def main() -> None:
     model_dir, out, tokens = sys.argv[1], sys.argv[2], [int(t) for t in sys.argv[3].split(",")]
     torch.set_num_threads(1)
     dist = init_distributed(torch.device("cpu"))
-    runner = ModelRunner(model_dir, dtype="float32", block_size=4, dist=dist)
+    options = ShardOptions(expert_parallel="--expert-parallel" in sys.argv[4:])
+    runner = ModelRunner(model_dir, dtype="float32", block_size=4, dist=dist, options=options)
     params = {id(p): p for p in runner.model.parameters()}.values()
     result = {
         "param_bytes": sum(p.numel() * p.element_size() for p in params),

@@ -205,7 +205,7 @@ def test_unsupported_model_type_is_refused_before_downloading(online, tmp_path):
     hub = online(["config.json", "model.safetensors"], snapshot)
     with pytest.raises(ModelResolutionError, match="acme/gpt: model_type 'gpt2' is not supported; supported: "
                                                    "gemma3_text, gpt_oss, llama, mistral, mixtral, phi3, qwen2, "
-                                                   "qwen3, qwen3_moe"):
+                                                   "qwen2_moe, qwen3, qwen3_moe"):
         resolve_model("acme/gpt", cache_dir=str(tmp_path / "c"))
     assert hub.downloads == []
 

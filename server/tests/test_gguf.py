@@ -103,7 +103,7 @@ def test_unsupported_architecture_fails_before_converting(tmp_path, monkeypatch)
         resolve_model(str(path), cache_dir=str(cache))
     assert str(error.value) == (
         "gpt2-small.gguf: GGUF architecture 'gpt2' is not supported; "
-        "supported: gemma3, llama, mistral, phi3, qwen2, qwen3, qwen3moe"
+        "supported: gemma3, gpt-oss, llama, mistral, phi3, qwen2, qwen2moe, qwen3, qwen3moe"
     )
     assert not cache.exists()
 

@@ -15,7 +15,7 @@ from conftest import Driver, make_tiny_model, reference_logits
 
 ATOL = 1e-4
 KINDS = ["llama", "qwen2", "tied", "mha", "llama3", "mistral", "qwen3", "gemma3", "phi3", "yarn", "qwen3_moe", "mixtral",
-         "gpt_oss"]
+         "gpt_oss", "qwen2_moe"]
 
 
 def prompt(length: int, seed: int) -> list[int]:
@@ -105,7 +105,8 @@ def test_mixed_batch(model):
 
 def test_unsupported_model_type_names_supported():
     with pytest.raises(
-        ValueError, match="supported: gemma3_text, gpt_oss, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe"
+        ValueError, match="supported: gemma3_text, gpt_oss, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, "
+                          "qwen3_moe"
     ):
         model_class("gpt2")
 

@@ -28,12 +28,16 @@ def transformers_router(kind: str, logits: torch.Tensor):
     import transformers
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
     from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
     e = logits.shape[1]
     if kind == "qwen3_moe":
         router = Qwen3MoeTopKRouter(transformers.Qwen3MoeConfig(num_experts=e, num_experts_per_tok=3,
                                                                  hidden_size=e, norm_topk_prob=True))
+    elif kind == "qwen2_moe":  # Qwen1.5-MoE and Qwen2-57B-A14B: not renormalised
+        router = Qwen2MoeTopKRouter(transformers.Qwen2MoeConfig(num_experts=e, num_experts_per_tok=3,
+                                                                 hidden_size=e, norm_topk_prob=False))
     elif kind == "mixtral":
         router = MixtralTopKRouter(transformers.MixtralConfig(num_local_experts=e, num_experts_per_tok=3, hidden_size=e))
     else:
@@ -44,12 +48,13 @@ def transformers_router(kind: str, logits: torch.Tensor):
     return weights, ids
 
 
-@pytest.mark.parametrize("kind,scoring", [
-    ("qwen3_moe", moe.SOFTMAX_TOPK), ("mixtral", moe.SOFTMAX_TOPK), ("gpt_oss", moe.TOPK_SOFTMAX),
+@pytest.mark.parametrize("kind,scoring,renormalize", [
+    ("qwen3_moe", moe.SOFTMAX_TOPK, True), ("mixtral", moe.SOFTMAX_TOPK, True), ("gpt_oss", moe.TOPK_SOFTMAX, True),
+    ("qwen2_moe", moe.SOFTMAX_TOPK, False),
 ])
-def test_routing_matches_transformers(kind, scoring):
+def test_routing_matches_transformers(kind, scoring, renormalize):
     logits = torch.randn(37, 8, generator=torch.Generator().manual_seed(0)) * 3
-    weights, ids = moe.route(logits, spec(scoring=scoring))
+    weights, ids = moe.route(logits, spec(scoring=scoring, renormalize=renormalize))
     want_w, want_ids = transformers_router(kind, logits)
     # Ours lists each token's experts in ascending order (the summation order).
     order = want_ids.argsort(dim=-1)
@@ -73,6 +78,46 @@ def test_active_parameters_count_the_chosen_experts(tmp_path):
     assert runner.total_parameters == sum(p.numel() for p in runner.model.parameters())
     experts = 2 * 8 * 3 * 64 * 32
     assert runner.active_parameters == runner.total_parameters - experts + experts * 2 // 8
+
+
+def test_active_parameters_count_the_shared_expert_whole(tmp_path):
+    """Qwen2-MoE tiny: in each of its 2 expert layers 8 routed experts of
+    3 x 64 x 32 (2 chosen per token) and a shared expert of 3 x 64 x 48 with
+    its gate [1, 64], which every token runs; its dense middle layer counts whole."""
+    folder = make_tiny_model(tmp_path, "qwen2_moe")
+    runner = ModelRunner(folder, dtype="float32", pack_weights=False)
+    assert runner.total_parameters == sum(p.numel() for p in runner.model.parameters())
+    routed = 2 * 8 * 3 * 64 * 32
+    assert runner.active_parameters == runner.total_parameters - routed + routed * 2 // 8
+    shared = 2 * (3 * 64 * 48 + 64)
+    assert sum(p.numel() for n, p in runner.model.named_parameters() if "shared_expert" in n) == shared
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(num_experts=0), r"qwen2_moe with num_experts 0 \(no expert layers\) is not supported"),
+    (dict(shared_expert_intermediate_size=0),
+     r"qwen2_moe with shared_expert_intermediate_size 0 \(no shared expert\) is not supported"),
+    (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
+])
+def test_unsupported_qwen2_moe_variants_are_refused_by_name(tmp_path, change, message):
+    import json
+
+    folder = make_tiny_model(tmp_path, "qwen2_moe")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(config, **change)))
+    with pytest.raises(ValueError, match=message):
+        ModelRunner(folder, dtype="float32")
+
+
+def test_an_indivisible_shared_expert_is_named():
+    from sluice_server.models.llama import check_tensor_parallel
+    from sluice_server.models.qwen2_moe import Qwen2MoeConfig
+    from sluice_server.testing import TINY
+
+    config = dict(TINY, model_type="qwen2_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                  shared_expert_intermediate_size=50)
+    with pytest.raises(ValueError, match="the shared expert's intermediate size 50 is not divisible by 4"):
+        check_tensor_parallel(Qwen2MoeConfig.from_dict(config), 4)
 
 
 def test_a_bad_top_k_is_refused():

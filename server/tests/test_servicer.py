@@ -340,4 +340,5 @@ def test_serve_unsupported_model_fails_clearly(tmp_path, model_dir):
     (tmp_path / "config.json").write_text(config)
     done = run_cli("serve", str(tmp_path), "--uds-path", str(tmp_path / "s"))
     assert done.returncode == 1
-    assert "supported: gemma3_text, gpt_oss, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe" in done.stderr
+    assert ("supported: gemma3_text, gpt_oss, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe"
+            in done.stderr)

@@ -30,14 +30,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(model_dir: Path, out: Path, world_size: int, tokens: list[int] = TOKENS) -> list[dict]:
+def run_ranks(model_dir: Path, out: Path, world_size: int, tokens: list[int] = TOKENS,
+              flags: tuple[str, ...] = ()) -> list[dict]:
     port = free_port()
     procs = []
     for rank in range(world_size):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), PYTHONPATH=CHECKOUT_PYTHONPATH, OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen(
-            [sys.executable, str(WORKER), str(model_dir), str(out), ",".join(map(str, tokens))],
+            [sys.executable, str(WORKER), str(model_dir), str(out), ",".join(map(str, tokens)), *flags],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         ))
     for p in procs:
@@ -95,10 +96,12 @@ def test_tiny_models_agree_over_1_2_3_shards(tmp_path, name):
 # the 10-token prompt is longer than the 8-token sliding windows (Phi-3's is 16;
 # its LongRoPE runs the long factors past 8 positions). Gemma 3's one
 # key-value head is copied on every shard. The mixtures of experts split each
-# expert's intermediate size (Qwen3-MoE's 32 over 4: 8 rows each), gpt-oss
-# its sinks with the query heads.
+# expert's intermediate size (Qwen3-MoE's 32 over 4: 8 rows each), Qwen2-MoE
+# its shared expert's too (48 over 4: 12 rows), gpt-oss its sinks with the
+# query heads.
 FAMILIES = {
     "qwen3_moe": (dict(num_attention_heads=4, num_key_value_heads=2), (2, 4)),
+    "qwen2_moe": (dict(num_attention_heads=4, num_key_value_heads=2), (2, 4)),
     "mixtral": (dict(num_attention_heads=4, num_key_value_heads=2), (2,)),
     "gpt_oss": (dict(num_attention_heads=4, num_key_value_heads=2), (2, 4)),
     "qwen3": (dict(num_attention_heads=4, num_key_value_heads=2), (2, 4)),
@@ -137,6 +140,56 @@ def test_smollm2_agrees_over_1_and_3_shards(tmp_path, smollm2_dir):
     print(f"\nSmolLM2 fp32 parameters per rank: 1 shard {mib(single['param_bytes'])}, "
           f"3 shards {[mib(r['param_bytes']) for r in runs[3]]}; RSS 1 shard {mib(single['rss_bytes'])}, "
           f"3 shards {[mib(r['rss_bytes']) for r in runs[3]]}")
+
+
+# Expert parallelism (--expert-parallel): each of 2 shards holds half the
+# experts whole (the tiny Qwen3-MoE's 8; gpt-oss's 4, as MXFP4 blocks, with
+# down biases that each expert's rank adds); every token's experts are summed
+# by the one all-reduce, so the shards equal transformers and one shard.
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss"])
+def test_expert_parallel_equals_transformers(tmp_path, kind):
+    from sluice_server.testing import to_mxfp4_checkpoint
+
+    model_dir = make_tiny_model(tmp_path / "model", kind, seed=5, num_attention_heads=4, num_key_value_heads=2)
+    if kind == "gpt_oss":
+        model_dir = to_mxfp4_checkpoint(model_dir)
+    want = reference_logits(model_dir, TOKENS)
+    single = run_ranks(model_dir, tmp_path / "tp1", 1)[0]
+    torch.testing.assert_close(single["logits"], want, atol=1e-4, rtol=0)
+    for r in run_ranks(model_dir, tmp_path / "ep2", 2, flags=("--expert-parallel",)):
+        torch.testing.assert_close(r["logits"], want, atol=1e-4, rtol=0)
+        assert r["tokens"] == single["tokens"]
+
+
+def test_expert_parallel_holds_whole_experts(tmp_path):
+    """Rank 1 of 2 holds experts 4-7 of each layer, whole (loading needs no
+    process group; no step runs here)."""
+    from safetensors.torch import load_file
+
+    from sluice_server.options import ShardOptions
+
+    model_dir = make_tiny_model(tmp_path, "qwen3_moe", num_attention_heads=4, num_key_value_heads=2)
+    runner = ModelRunner(model_dir, dtype="float32", dist=Distributed(rank=1, world_size=2), pack_weights=False,
+                         options=ShardOptions(expert_parallel=True))
+    moe = runner.model.model.layers[0].mlp
+    assert (moe.expert_first, moe.expert_last, tuple(moe.w13_weight.shape)) == (4, 8, (4, 64, 64))
+    checkpoint = load_file(str(model_dir / "model.safetensors"))
+    experts = "model.layers.0.mlp.experts"
+    for e in range(4, 8):
+        whole = torch.cat([checkpoint[f"{experts}.{e}.gate_proj.weight"], checkpoint[f"{experts}.{e}.up_proj.weight"]])
+        torch.testing.assert_close(moe.w13_weight[e - 4], whole, atol=0, rtol=0)
+        torch.testing.assert_close(moe.w2_weight[e - 4], checkpoint[f"{experts}.{e}.down_proj.weight"], atol=0, rtol=0)
+
+
+def test_expert_parallel_refuses_experts_that_do_not_divide(tmp_path):
+    from sluice_server.options import ShardOptions
+
+    model_dir = make_tiny_model(tmp_path, "qwen3_moe", num_experts=6, num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(ValueError) as err:
+        ModelRunner(model_dir, dtype="float32", dist=Distributed(rank=0, world_size=4),
+                    options=ShardOptions(expert_parallel=True))
+    assert str(err.value) == ("the model cannot be split over 4 shards: num_experts=6 is not divisible by 4 "
+                              "(--expert-parallel gives each shard whole experts)")
 
 
 @pytest.mark.parametrize("heads,kv_heads,inter,world,message", [

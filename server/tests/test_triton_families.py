@@ -21,7 +21,7 @@ from sluice_server.pb import shard_pb2
 from conftest import make_tiny_model, reference_logits
 from conftest import triton_device as device
 
-KINDS = ["llama", "mistral", "qwen3", "gemma3", "phi3", "qwen3_moe", "mixtral", "gpt_oss"]
+KINDS = ["llama", "mistral", "qwen3", "gemma3", "phi3", "qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe"]
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -43,6 +43,11 @@ stacked tensors ([E, rows, cols]), as `QuantizedExperts`:
     layers.i.mlp.w13_weight[e]            blk.i.ffn_gate_exps[e], ffn_up_exps[e]
     layers.i.mlp.w2_weight[e]             blk.i.ffn_down_exps[e]
 
+A shared expert (Qwen2-MoE) is a dense MLP, and gets its blocks as one:
+
+    layers.i.mlp.shared_expert.gate_up_proj   blk.i.ffn_gate_shexp, ffn_up_shexp
+    layers.i.mlp.shared_expert.down_proj      blk.i.ffn_down_shexp
+
 and so do gpt-oss's MXFP4 experts, from the records its loader kept
 (`attach_block_experts`). Experts run on their blocks at every step size,
 whatever the plan's row limit for dense layers: a step's tokens are spread
@@ -83,8 +88,12 @@ def _pieces(model: nn.Module) -> list[tuple[nn.Module, list[str]]]:
         attn, mlp = layer.self_attn, layer.mlp
         out.append((attn.qkv_proj, [f"blk.{i}.attn_q.weight", f"blk.{i}.attn_k.weight", f"blk.{i}.attn_v.weight"]))
         out.append((attn.o_proj, [f"blk.{i}.attn_output.weight"]))
-        if isinstance(mlp, FusedMoE):
-            continue  # attach_experts
+        if isinstance(mlp, FusedMoE):  # the routed experts: attach_experts
+            if mlp.shared_expert is not None:
+                shared = mlp.shared_expert
+                out.append((shared.gate_up_proj, [f"blk.{i}.ffn_gate_shexp.weight", f"blk.{i}.ffn_up_shexp.weight"]))
+                out.append((shared.down_proj, [f"blk.{i}.ffn_down_shexp.weight"]))
+            continue
         out.append((mlp.gate_up_proj, [f"blk.{i}.ffn_gate.weight", f"blk.{i}.ffn_up.weight"]))
         out.append((mlp.down_proj, [f"blk.{i}.ffn_down.weight"]))
     tied = getattr(model.config, "tie_word_embeddings", False)

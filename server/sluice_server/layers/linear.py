@@ -207,11 +207,16 @@ class RowParallelLinear(PackableLinear):
 
     The input is expected already split (the output of a column-parallel
     layer). The bias is added once, after the reduction.
+
+    `reduce=False`: this rank's partial sum (the bias added on rank 0 only),
+    for a block that adds more partial sums before its one all-reduce (the
+    shared expert beside the routed ones, layers/moe.py).
     """
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, dist: Distributed):
+    def __init__(self, input_size: int, output_size: int, bias: bool, dist: Distributed, reduce: bool = True):
         super().__init__()
         self.dist = dist
+        self.reduce = reduce
         self.input_size = input_size
         self.output_size = output_size
         self.start, self.end = shard_range(input_size, dist)
@@ -232,7 +237,9 @@ class RowParallelLinear(PackableLinear):
         param.data.copy_(checkpoint[:])
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        y = self.dist.all_reduce(self._add_lora(x, self._linear(x, None, out_dtype)))
-        if self.bias is not None:
+        y = self._add_lora(x, self._linear(x, None, out_dtype))
+        if self.reduce:
+            y = self.dist.all_reduce(y)
+        if self.bias is not None and (self.reduce or self.dist.rank == 0):
             y = y + self.bias
         return y

@@ -12,6 +12,8 @@ rank's tensor-parallel slice.
     phi3                models/phi3.py       fused checkpoint tensors, LongRoPE
     gemma3_text         models/gemma3.py     (1 + w) norms, GELU, local/global layers
     qwen3_moe           models/qwen3_moe.py  Qwen3 attention, expert MLPs (layers/moe.py)
+    qwen2_moe           models/qwen2_moe.py  Qwen2 attention, expert MLPs and a gated
+                                             shared expert
     mixtral             models/mixtral.py    Mistral attention, expert MLPs
     gpt_oss             models/gpt_oss.py    attention sinks, biases, alternating windows,
                                              clamped-SwiGLU experts (MXFP4 checkpoints too)
@@ -48,6 +50,7 @@ from sluice_server.models.gpt_oss import GptOssForCausalLM
 from sluice_server.models.llama import LlamaForCausalLM
 from sluice_server.models.mixtral import MixtralForCausalLM
 from sluice_server.models.phi3 import Phi3ForCausalLM
+from sluice_server.models.qwen2_moe import Qwen2MoeForCausalLM
 from sluice_server.models.qwen3 import Qwen3ForCausalLM
 from sluice_server.models.qwen3_moe import Qwen3MoeForCausalLM
 
@@ -59,6 +62,7 @@ MODEL_FAMILIES: dict[str, type[nn.Module]] = {
     "mixtral": MixtralForCausalLM,
     "phi3": Phi3ForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "qwen2_moe": Qwen2MoeForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
 }
@@ -167,8 +171,9 @@ def parameter_counts(folder: Path, config) -> tuple[int, int]:
     """(total, active) parameters of the checkpoint in `folder`, from its
     tensors' shapes (no data is read): every tensor once (a tied LM head is
     not stored), an MXFP4 byte as two values and its block scales as none;
-    active: the expert tensors (`.experts.`) count num_experts_per_tok /
-    num_experts of theirs (`config.moe`, absent for dense models)."""
+    active: the routed experts' tensors (`.experts.`) count num_experts_per_tok /
+    num_experts of theirs (`config.moe`, absent for dense models); a shared
+    expert (`.shared_expert.`), which every token runs, counts whole."""
     total = experts = 0
     for path in safetensors_files(folder):
         with safe_open(str(path), framework="pt", device="cpu") as f:

@@ -187,6 +187,8 @@ class ExpertLoader:
         blocks, scales = pieces.pop(0), pieces.pop(1)
         records = []
         for e in range(spec.num_experts):
+            if self.moe.local_expert(e) is None:  # another rank's (expert parallelism)
+                continue
             weight = dequantize_mxfp4(blocks[e], scales[e], param.dtype)
             self.moe.load_whole_expert_(param, e, deinterleave(weight) if w13 else weight)
             records.append(self.local_records(w13, blocks[e], scales[e]))

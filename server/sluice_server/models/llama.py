@@ -115,29 +115,39 @@ def sliding_windows(c: dict[str, Any]) -> tuple[int | None, ...]:
         qwen3_moe       every layer, with `use_sliding_window`
         qwen2, qwen3    only with `use_sliding_window`: the layers `layer_types`
                         marks "sliding_attention", else those >= max_window_layers
+        qwen2_moe       only with `use_sliding_window`: the layers `layer_types`
+                        marks, else the even ones < max_window_layers
         gpt_oss         the layers `layer_types` marks "sliding_attention"
         llama           none
     """
     n = c["num_hidden_layers"]
     window = c.get("sliding_window")
     family = c["model_type"]
-    if family in ("qwen2", "qwen3", "qwen3_moe") and not c.get("use_sliding_window", False):
+    if family in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe") and not c.get("use_sliding_window", False):
         window = None
-    if window is None or family not in EVERY_LAYER_WINDOW + ("qwen2", "qwen3", "gpt_oss"):
+    if not window or family not in EVERY_LAYER_WINDOW + ("qwen2", "qwen3", "qwen2_moe", "gpt_oss"):
         return (None,) * n
     if family in EVERY_LAYER_WINDOW:
         return (int(window),) * n
-    types = c.get("layer_types") or [
-        "sliding_attention" if i >= c.get("max_window_layers", 28) else "full_attention" for i in range(n)
-    ]
+    limit = c.get("max_window_layers", 28)
+    if family == "qwen2_moe":
+        windowed = [i % 2 == 0 and i < limit for i in range(n)]
+    else:
+        windowed = [i >= limit for i in range(n)]
+    types = c.get("layer_types") or ["sliding_attention" if w else "full_attention" for w in windowed]
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise ValueError(f"layer_types {unknown} are not supported (sliding_attention, full_attention)")
     return tuple(int(window) if t == "sliding_attention" else None for t in types)
 
 
-def check_tensor_parallel(cfg: LlamaConfig, world_size: int) -> None:
+def check_tensor_parallel(cfg: LlamaConfig, world_size: int, expert_parallel: bool = False) -> None:
     """Raises one clear error, naming the numbers, when the model does not
     split evenly over `world_size` shards: query heads and the MLP width (each
-    expert's, for mixtures of experts) must divide; key/value heads must divide, or divide the shard count (then each
-    is replicated on world_size / num_kv_heads shards)."""
+    expert's and the shared expert's, for mixtures of experts; with
+    `expert_parallel`, the number of experts instead of each one's width) must divide;
+    key/value heads must divide, or divide the shard count (then each is
+    replicated on world_size / num_kv_heads shards)."""
     problems = []
     if cfg.num_attention_heads % world_size:
         problems.append(f"num_attention_heads={cfg.num_attention_heads} is not divisible by {world_size}")
@@ -149,8 +159,17 @@ def check_tensor_parallel(cfg: LlamaConfig, world_size: int) -> None:
     if dense_layers and cfg.intermediate_size % world_size:
         problems.append(f"intermediate_size={cfg.intermediate_size} is not divisible by {world_size}")
     moe = getattr(cfg, "moe", None)
-    if moe is not None and moe.intermediate_size % world_size:
+    if moe is None and expert_parallel:
+        problems.append("--expert-parallel: the model has no expert layers")
+    if moe is not None and expert_parallel and world_size > 1 and moe.num_experts % world_size:
+        problems.append(f"num_experts={moe.num_experts} is not divisible by {world_size} "
+                        f"(--expert-parallel gives each shard whole experts)")
+    if moe is not None and not expert_parallel and moe.intermediate_size % world_size:
         problems.append(f"the experts' intermediate size {moe.intermediate_size} is not divisible by {world_size}")
+    if moe is not None and moe.shared_expert_size % world_size:
+        problems.append(
+            f"the shared expert's intermediate size {moe.shared_expert_size} is not divisible by {world_size}"
+        )
     if problems:
         raise ValueError(f"the model cannot be split over {world_size} shards: " + "; ".join(problems))
 
@@ -176,7 +195,7 @@ def kv_head_range(cfg: LlamaConfig, dist: Distributed) -> tuple[int, int]:
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: LlamaConfig, dist: Distributed, backend: AttentionBackend, index: int):
         super().__init__()
-        check_tensor_parallel(cfg, dist.world_size)
+        check_tensor_parallel(cfg, dist.world_size, dist.expert_parallel)
         self.layer = LayerAttention(sliding_window=cfg.sliding_windows[index])
         self.num_heads = cfg.num_attention_heads // dist.world_size
         first_kv, last_kv = kv_head_range(cfg, dist)
@@ -213,15 +232,27 @@ MIN_ROWS_PACKED_DTYPE_MLP = 256
 
 class LlamaMLP(nn.Module):
     """down(act(gate(x)) * up(x)); `activation` names the fused op of
-    `backend.ops`: silu_mul (SwiGLU), or gelu_tanh_mul (Gemma's GeGLU)."""
+    `backend.ops`: silu_mul (SwiGLU), or gelu_tanh_mul (Gemma's GeGLU).
 
-    def __init__(self, cfg: LlamaConfig, dist: Distributed, backend: AttentionBackend, activation: str = "silu_mul"):
+    `size`: the intermediate width (default: the config's). `reduce=False`
+    returns this rank's partial sum, not yet all-reduced: a shared expert
+    (models/qwen2_moe.py), which the expert layer reduces with its own."""
+
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        dist: Distributed,
+        backend: AttentionBackend,
+        activation: str = "silu_mul",
+        size: int | None = None,
+        reduce: bool = True,
+    ):
         super().__init__()
         self.ops = backend.ops
         self.act_mul = getattr(backend.ops, activation)
-        size = cfg.intermediate_size
+        size = size or cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [size, size], bias=cfg.mlp_bias, dist=dist)
-        self.down_proj = RowParallelLinear(size, cfg.hidden_size, bias=cfg.mlp_bias, dist=dist)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, bias=cfg.mlp_bias, dist=dist, reduce=reduce)
 
     def forward(self, x):
         # gate_up's local rows are [gate[rank] | up[rank]], what act_mul expects.
@@ -291,7 +322,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: dict[str, Any], dist: Distributed, backend: AttentionBackend):
         super().__init__()
         self.config = cfg = self.config_cls.from_dict(config)
-        check_tensor_parallel(cfg, dist.world_size)
+        check_tensor_parallel(cfg, dist.world_size, dist.expert_parallel)
         first_kv, last_kv = kv_head_range(cfg, dist)
         self.num_local_kv_heads = last_kv - first_kv
         self.model = self.decoder(cfg, dist, backend)
