@@ -25,17 +25,160 @@ For each segment, r = ranks[s, p], and each of its rows t:
 in PEFT's order (the update, then the scale). Implementations:
 
     lora_apply_reference   plain torch, a loop over segments and pieces
-    lora_apply_cpu         csrc/cpu_lora.cpp: one call, both phases
-                           parallel over (segment, piece, rank) and (segment,
-                           block of outputs); float32
+    lora_apply_cpu         csrc/cpu_lora.cpp: one call, both phases parallel
+                           over (segment, piece, chunk of inputs, rows) and
+                           (segment, block of 64 outputs, rows); float32, on
+                           the stacks packed by `lora_pack_cpu` (below)
     triton.lora            lora_apply_triton: a shrink and an expand kernel,
                            one program per (segment, row tile, piece or
                            output tile)
+
+The C++ kernel reads the stacks in its own layout, written once when an
+adapter is loaded (`lora_pack_cpu` for whole stacks, `lora_write_cpu_` for
+one slot's piece), so that both of its phases stream them front to back:
+
+    a  [S, P, RP/16, IN, 16]   panel j: ranks 16j .. 16j+15 of every input,
+                               a[s, p, j, i, l] = A[s, p, 16j + l, i]
+                               (RP: R rounded up to 16, zeros past R)
+    b  [S, NB, R, 64]          block n: outputs 64n .. 64n+63 of every rank,
+                               b[s, n, k, o] = B[s, 64n + o, k]
+                               (NB = ceil(OUT / 64), zeros past OUT)
+
+`check_lora_args` is the one validator of a call, for every
+implementation's layout: lora_apply_cpu and lora_apply_triton call it (the
+C++ kernel itself checks nothing), and the C++ decoder's Python side checks
+its stacks with `lora_dims` when it takes them and its segments with
+`check_segments` once per step.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+LANES = 16  # ranks per panel of the packed A
+OUT_BLOCK = 64  # outputs per block of the packed B
+
+
+@dataclass(frozen=True)
+class LoraDims:
+    slots: int  # S
+    pieces: int  # P
+    rank: int  # R, the stacks' rank
+    in_features: int  # IN
+    out_features: int  # OUT
+
+
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def lora_dims(a: torch.Tensor, b: torch.Tensor, packed: bool, out_features: int | None = None) -> LoraDims:
+    """The stacks' dimensions, checking their layout: the module's `a`/`b`
+    ([S, P, R, IN] and [S, OUT, R], any float dtype, a's) or, `packed`, the
+    C++ kernel's (float32; `out_features` is then needed: blocks pad it)."""
+    _need(a.is_contiguous() and b.is_contiguous(), "a and b must be contiguous")
+    if not packed:
+        _need(a.dim() == 4 and b.dim() == 3, "a must be [S, P, R, IN] and b [S, OUT, R]")
+        S, P, R, IN = a.shape
+        _need(b.shape[0] == S and b.shape[2] == R, "b must be [S, OUT, R] with a's S and R")
+        _need(a.dtype == b.dtype and a.dtype.is_floating_point, "a and b must share one float dtype")
+        return LoraDims(S, P, R, IN, b.shape[1])
+    _need(a.dim() == 5 and a.shape[4] == LANES and b.dim() == 4 and b.shape[3] == OUT_BLOCK,
+          f"packed a must be [S, P, RP/{LANES}, IN, {LANES}] and b [S, NB, R, {OUT_BLOCK}] (lora_pack_cpu)")
+    _need(a.dtype == torch.float32 and b.dtype == torch.float32, "packed a and b must be float32")
+    S, P, panels, IN = a.shape[:4]
+    R = b.shape[2]
+    _need(out_features is not None and b.shape[0] == S and b.shape[1] == -(-out_features // OUT_BLOCK)
+          and panels == -(-R // LANES), "packed b must be [S, ceil(OUT / 64), R, 64] with a's S and R")
+    return LoraDims(S, P, R, IN, out_features)
+
+
+def check_segments(seg_starts: torch.Tensor, seg_ends: torch.Tensor, seg_slots: torch.Tensor, rows: int,
+                   slots: int) -> None:
+    """Segments are int32 [G] each, inside the `rows` rows, on slots below
+    `slots`. Their values are read only on the CPU (not to wait for a GPU)."""
+    for t, name in ((seg_starts, "seg_starts"), (seg_ends, "seg_ends"), (seg_slots, "seg_slots")):
+        _need(t.dtype == torch.int32 and t.is_contiguous(), f"{name} must be a contiguous int32 tensor")
+    _need(seg_starts.numel() == seg_ends.numel() == seg_slots.numel(), "one start, end and slot per segment")
+    if seg_starts.device.type != "cpu":
+        return
+    for g, (start, end, slot) in enumerate(zip(seg_starts.tolist(), seg_ends.tolist(), seg_slots.tolist())):
+        _need(0 <= start <= end <= rows, f"segment {g} [{start}, {end}) is not inside the {rows} rows")
+        _need(0 <= slot < slots, f"segment {g}: slot {slot} is not below {slots}")
+
+
+def check_lora_args(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bounds: torch.Tensor,
+    seg_starts: torch.Tensor,
+    seg_ends: torch.Tensor,
+    seg_slots: torch.Tensor,
+    ranks: torch.Tensor,
+    scales: torch.Tensor,
+    packed: bool,
+) -> LoraDims:
+    """ValueError naming the first thing a call's arguments get wrong
+    (the module docstring has the layout; `packed`: the C++ kernel's);
+    else their dimensions. Tensors' values are read only on the CPU."""
+    _need(y.dim() == 2 and x.dim() == 2 and y.stride(1) == 1 and x.stride(1) == 1,
+          "x and y must be [T, IN] and [T, OUT] with contiguous rows")
+    d = lora_dims(a, b, packed, y.shape[1])
+    _need(x.shape[1] == d.in_features and tuple(y.shape) == (x.shape[0], d.out_features),
+          f"x must be [T, {d.in_features}] and y [T, {d.out_features}] with one T")
+    if packed:
+        _need(x.dtype == torch.float32 and y.dtype == torch.float32, "x and y must be float32")
+    devices = {t.device for t in (y, x, a, b, bounds, seg_starts, seg_ends, seg_slots, ranks, scales)}
+    _need(len(devices) == 1, f"every tensor must be on one device, not {', '.join(map(str, devices))}")
+    for t, name in ((bounds, "bounds"), (ranks, "ranks")):
+        _need(t.dtype == torch.int32 and t.is_contiguous(), f"{name} must be a contiguous int32 tensor")
+    _need(bounds.numel() == d.pieces + 1, f"bounds must hold P + 1 = {d.pieces + 1} row boundaries")
+    _need(ranks.numel() == d.slots * d.pieces, "ranks must be [S, P]")
+    _need(scales.dtype == torch.float32 and scales.is_contiguous() and scales.numel() == d.slots,
+          "scales must be float32 [S]")
+    check_segments(seg_starts, seg_ends, seg_slots, x.shape[0], d.slots)
+    if bounds.device.type == "cpu":
+        edges = bounds.tolist()
+        _need(edges[0] == 0 and edges[-1] == d.out_features, "bounds must run from 0 to OUT")
+        _need(all(lo <= hi for lo, hi in zip(edges, edges[1:])), "bounds must not decrease")
+        _need(all(0 <= r <= d.rank for r in ranks.flatten().tolist()), f"ranks must be in [0, R = {d.rank}]")
+    return d
+
+
+def lora_pack_cpu(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacks a [S, P, R, IN], b [S, OUT, R] in the C++ kernel's layout
+    (module docstring), float32."""
+    S, P, R, IN = a.shape
+    OUT = b.shape[1]
+    panels = -(-R // LANES)
+    a_pad = torch.zeros(S, P, panels * LANES, IN, dtype=torch.float32, device=a.device)
+    a_pad[:, :, :R] = a
+    a_packed = a_pad.view(S, P, panels, LANES, IN).transpose(3, 4).contiguous()
+    blocks = -(-OUT // OUT_BLOCK)
+    b_pad = torch.zeros(S, blocks * OUT_BLOCK, R, dtype=torch.float32, device=b.device)
+    b_pad[:, :OUT] = b
+    b_packed = b_pad.view(S, blocks, OUT_BLOCK, R).transpose(2, 3).contiguous()
+    return a_packed, b_packed
+
+
+def lora_write_cpu_(a_packed: torch.Tensor, b_packed: torch.Tensor, slot: int, piece: int, first_out: int,
+                    a: torch.Tensor, b: torch.Tensor) -> None:
+    """Writes one piece's A [r, IN] and B [out, r] (its outputs from
+    `first_out` on) into slot `slot` of packed stacks, in place; ranks
+    past r keep what they hold (zeros in an emptied slot)."""
+    r = a.shape[0]
+    _need(r <= b_packed.shape[2], f"rank {r} is above the stacks' {b_packed.shape[2]}")
+    panels = -(-r // LANES)
+    a_pad = torch.zeros(panels * LANES, a.shape[1], dtype=torch.float32)
+    a_pad[:r] = a
+    a_packed[slot, piece, :panels].copy_(a_pad.view(panels, LANES, a.shape[1]).transpose(1, 2))
+    outs = torch.arange(first_out, first_out + b.shape[0], device=b_packed.device)
+    b_packed[slot, outs // OUT_BLOCK, :r, outs % OUT_BLOCK] = b.to(b_packed.device, torch.float32)
 
 
 def lora_apply_reference(
@@ -75,6 +218,8 @@ def lora_apply_cpu(
     ranks: torch.Tensor,
     scales: torch.Tensor,
 ) -> None:
-    """The C++ kernel (`cpu_kernels.load()` first): every index tensor int32,
-    y, x, a, b, scales float32 with contiguous rows."""
+    """The C++ kernel (`cpu_kernels.load()` first) on stacks packed by
+    `lora_pack_cpu`: every index tensor int32, y, x, a, b, scales float32,
+    rows contiguous (checked: check_lora_args)."""
+    check_lora_args(y, x, a, b, bounds, seg_starts, seg_ends, seg_slots, ranks, scales, packed=True)
     torch.ops.sluice_cpu.lora_apply_(y, x, a, b, bounds, seg_starts, seg_ends, seg_slots, ranks, scales)

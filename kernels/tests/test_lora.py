@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sluice_kernels import cpu_kernels
-from sluice_kernels.lora import lora_apply_cpu, lora_apply_reference
+from sluice_kernels.lora import lora_apply_cpu, lora_apply_reference, lora_pack_cpu, lora_write_cpu_
 
 from .kernel_cases import TOLERANCES, device
 
@@ -72,8 +72,57 @@ def test_reference_is_each_rows_own_update():
 def test_cpu_kernel_matches_the_reference():
     y, x, a, b, scales = case(torch.float32, seed=1)
     want = reference(y, x, a, b, scales)
-    lora_apply_cpu(y, x, a, b, *index_tensors("cpu"), scales)
+    lora_apply_cpu(y, x, *lora_pack_cpu(a, b), *index_tensors("cpu"), scales)
     torch.testing.assert_close(y, want, **TOLERANCES[torch.float32])
+
+
+@pytest.mark.skipif(not cpu_kernels.load(), reason="CPU kernels not built")
+def test_cpu_kernel_at_model_shapes_and_many_rows():
+    """Shapes past the small case's blocks: several chunks of inputs (one
+    partial), ranks over two panels (R = 24: a rank of 20 and one of 16),
+    output blocks that straddle pieces and a partial last block, segments
+    longer than a block of rows; and a row's update does not depend on the
+    other rows of the step."""
+    g = torch.Generator().manual_seed(5)
+    S, R, IN, bounds = 3, 24, 600, [0, 100, 164, 300]
+    ranks = [[20, 16, 0], [0, 7, 24], [5, 5, 5]]
+    a = torch.randn(S, 3, R, IN, generator=g) / IN**0.5
+    b = torch.randn(S, bounds[-1], R, generator=g)
+    for s, row in enumerate(ranks):
+        for p, r in enumerate(row):
+            a[s, p, r:] = 0
+            b[s, bounds[p] : bounds[p + 1], r:] = 0
+    rows = 150
+    x = torch.randn(rows, IN, generator=g)
+    y = torch.randn(rows, bounds[-1], generator=g)
+    scales = torch.tensor([0.5, 2.0, 1.5])
+    segments = [(0, 70, 1), (70, 71, 0), (75, 150, 2)]
+    want = y.clone()
+    lora_apply_reference(want, x, a, b, bounds, *([seg[i] for seg in segments] for i in range(3)), ranks, scales)
+    index = [torch.tensor([seg[i] for seg in segments], dtype=torch.int32) for i in range(3)]
+    packed = lora_pack_cpu(a, b)
+    got = y.clone()
+    lora_apply_cpu(got, x, *packed, torch.tensor(bounds, dtype=torch.int32), *index,
+                   torch.tensor(ranks, dtype=torch.int32), scales)
+    torch.testing.assert_close(got, want, **TOLERANCES[torch.float32])
+    alone = y[70:71].clone()
+    lora_apply_cpu(alone, x[70:71], *packed, torch.tensor(bounds, dtype=torch.int32),
+                   *(torch.tensor([v], dtype=torch.int32) for v in (0, 1, 0)), torch.tensor(ranks, dtype=torch.int32),
+                   scales)
+    assert torch.equal(alone, got[70:71])
+
+
+def test_packed_writes_match_packing_the_stacks():
+    """lora_write_cpu_ (one slot's piece at a time, as adapters load) gives
+    the bytes lora_pack_cpu gives for the whole stacks."""
+    y, x, a, b, scales = case(torch.float32, seed=4)
+    want_a, want_b = lora_pack_cpu(a, b)
+    got_a, got_b = torch.zeros_like(want_a), torch.zeros_like(want_b)
+    for s, ranks in enumerate(RANKS):
+        for p, r in enumerate(ranks):
+            lo, hi = BOUNDS[p], BOUNDS[p + 1]
+            lora_write_cpu_(got_a, got_b, s, p, lo, a[s, p, :r], b[s, lo:hi, :r])
+    assert torch.equal(got_a, want_a) and torch.equal(got_b, want_b)
 
 
 @pytest.mark.skipif(not cpu_kernels.load(), reason="CPU kernels not built")
@@ -85,17 +134,20 @@ def test_cpu_kernel_on_strided_rows_and_bad_inputs():
     wide_x[:, 2 : 2 + IN] = x
     wide_y = torch.zeros(ROWS, BOUNDS[-1] + 3)
     wide_y[:, 1 : 1 + BOUNDS[-1]] = y
-    lora_apply_cpu(wide_y[:, 1 : 1 + BOUNDS[-1]], wide_x[:, 2 : 2 + IN], a, b, *index_tensors("cpu"), scales)
+    pa, pb = lora_pack_cpu(a, b)
+    lora_apply_cpu(wide_y[:, 1 : 1 + BOUNDS[-1]], wide_x[:, 2 : 2 + IN], pa, pb, *index_tensors("cpu"), scales)
     torch.testing.assert_close(wide_y[:, 1 : 1 + BOUNDS[-1]], reference(y, x, a, b, scales), **TOLERANCES[torch.float32])
     bounds, starts, ends, slots, ranks = index_tensors("cpu")
-    with pytest.raises(RuntimeError, match="inside the 31 rows"):
-        lora_apply_cpu(y, x, a, b, bounds, starts, ends + 5, slots, ranks, scales)
-    with pytest.raises(RuntimeError, match="is not below 3"):
-        lora_apply_cpu(y, x, a, b, bounds, starts, ends, slots + 3, ranks, scales)
-    with pytest.raises(RuntimeError, match="ranks must be in"):
-        lora_apply_cpu(y, x, a, b, bounds, starts, ends, slots, ranks + R, scales)
-    with pytest.raises(RuntimeError, match="int32"):
-        lora_apply_cpu(y, x, a, b, bounds.long(), starts, ends, slots, ranks, scales)
+    with pytest.raises(ValueError, match="inside the 31 rows"):
+        lora_apply_cpu(y, x, pa, pb, bounds, starts, ends + 5, slots, ranks, scales)
+    with pytest.raises(ValueError, match="is not below 3"):
+        lora_apply_cpu(y, x, pa, pb, bounds, starts, ends, slots + 3, ranks, scales)
+    with pytest.raises(ValueError, match="ranks must be in"):
+        lora_apply_cpu(y, x, pa, pb, bounds, starts, ends, slots, ranks + R, scales)
+    with pytest.raises(ValueError, match="int32"):
+        lora_apply_cpu(y, x, pa, pb, bounds.long(), starts, ends, slots, ranks, scales)
+    with pytest.raises(ValueError, match="lora_pack_cpu"):
+        lora_apply_cpu(y, x, a, b, bounds, starts, ends, slots, ranks, scales)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

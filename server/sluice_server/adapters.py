@@ -194,11 +194,9 @@ class AdapterSlots:
             else:
                 pieces, in_features = [(0, module.output_size)], module.end - module.start
             out = pieces[-1][1]
-            module.lora = LoraWeights(
-                a=torch.zeros(self.max_loras, len(pieces), self.max_rank, in_features, dtype=dtype, device=device),
-                b=torch.zeros(self.max_loras, out, self.max_rank, dtype=dtype, device=device),
-                bounds=[start for start, _ in pieces] + [out],
-                context=self.context,
+            module.lora = LoraWeights.zeros(
+                self.max_loras, len(pieces), self.max_rank, in_features, [start for start, _ in pieces] + [out],
+                dtype, device, self.context,
             )
         return self.nbytes
 
@@ -319,7 +317,7 @@ class AdapterSlots:
         try:
             for lora in loras:
                 for index in range(self.max_loras):
-                    for piece in range(lora.a.shape[1]):
+                    for piece in range(len(lora.bounds) - 1):
                         lora.set_rank(index, piece, self.max_rank)
             yield
         finally:
@@ -350,14 +348,9 @@ def _write(module: ColumnParallelLinear | RowParallelLinear, index: int, piece: 
     """This rank's part of one module's A [r, in] and B [out, r] into the
     stacks: a column-parallel layer keeps the B rows of its output range, a
     row-parallel one the A columns of its input range."""
-    lora = module.lora
-    r = a.shape[0]
     if isinstance(module, ColumnParallelLinear):
         start, end = module.ranges[piece]
         b = b[start:end]
     else:
         a = a[:, module.start : module.end]
-    lo, hi = lora.bounds[piece], lora.bounds[piece + 1]
-    lora.a[index, piece, :r].copy_(a)
-    lora.b[index, lo:hi, :r].copy_(b)
-    lora.set_rank(index, piece, r)
+    module.lora.write_(index, piece, a, b)

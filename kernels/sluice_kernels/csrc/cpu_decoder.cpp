@@ -15,10 +15,12 @@
 //   return rms_norm(x, res)
 //
 // With LoRA adapters (set_lora gives a linear layer the adapter slots'
-// stacks, which it reads in place, so loads and unloads show): a step whose
-// rows use adapters passes their segments, and each adapted linear layer
-// adds its rows' updates with lora_apply_ right after its own matmul, as the
-// Python layers do (cpu_lora.cpp).
+// packed stacks, which it reads in place, so loads and unloads show): a step
+// whose rows use adapters passes their segments, and each adapted linear
+// layer adds its rows' updates with the grouped matmul right after its own
+// matmul, as the Python layers do (cpu_lora.cpp). The stacks are checked by
+// the Python side when it hands them over and the segments once per step
+// (sluice_kernels.lora.check_lora_args), not here per layer.
 //
 // Only decode steps (one new token per sequence) whose matmuls all run on
 // GGUF blocks come here (the shard's models/llama_cpu_decoder.py builds this
@@ -73,14 +75,17 @@ void store_rows(const at::Tensor& rows, const at::Tensor& cache, const int64_t* 
     for (int64_t j = 0; j < row; ++j) dst[slot[t] * row + j] = at::BFloat16(src[t * stride + j]);
 }
 
-// One linear layer's LoRA stacks (sluice_kernels/lora.py has the layout).
+// One linear layer's LoRA stacks, packed (cpu_lora.cpp has the layout).
 struct LoraStacks {
   at::Tensor a, b, bounds, ranks;
 };
 
-// A step's adapter segments and the slots' scales; empty: no adapter rows.
+// A step's adapter segments (int32 [G] each) and the slots' scales, read
+// once per step; G = 0: no adapter rows.
 struct LoraStep {
-  std::optional<at::Tensor> starts, ends, slots, scales;
+  const int32_t *starts = nullptr, *ends = nullptr, *slots = nullptr;
+  const float* scales = nullptr;
+  int64_t G = 0;
 };
 
 struct Layer {
@@ -92,9 +97,9 @@ struct Layer {
 
 // y += the adapter updates of x's rows (nothing without adapter rows).
 void add_lora(const std::optional<LoraStacks>& stacks, const LoraStep& step, const at::Tensor& x, at::Tensor& y) {
-  if (!stacks.has_value() || !step.starts.has_value()) return;
-  sluice_cpu::lora_apply_(y, x, stacks->a, stacks->b, stacks->bounds, *step.starts, *step.ends, *step.slots,
-                          stacks->ranks, *step.scales);
+  if (!stacks.has_value() || step.G == 0) return;
+  sluice_cpu::lora_apply_unchecked(y, x, stacks->a, stacks->b, stacks->bounds.data_ptr<int32_t>(), step.starts,
+                                   step.ends, step.slots, step.G, stacks->ranks.data_ptr<int32_t>(), step.scales);
 }
 
 // A column-parallel layer (qkv, gate_up) in the Python layers' order: matmul,
@@ -138,7 +143,8 @@ class LlamaDecoder : public torch::CustomClassHolder {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   // LoRA stacks of linear layer `linear` (0 qkv, 1 o, 2 gate_up, 3 down) of
-  // layer `layer`; held by reference (the shard loads adapters in place).
+  // layer `layer`, packed and checked (check_lora_args); held by reference
+  // (the shard loads adapters in place).
   void set_lora(int64_t layer, int64_t linear, at::Tensor a, at::Tensor b, at::Tensor bounds, at::Tensor ranks) {
     TORCH_CHECK(0 <= layer && layer < num_layers() && 0 <= linear && linear < 4, "no linear layer ", linear,
                 " in layer ", layer);
@@ -155,9 +161,12 @@ class LlamaDecoder : public torch::CustomClassHolder {
                      const std::vector<at::Tensor>& v_caches, std::optional<at::Tensor> lora_starts,
                      std::optional<at::Tensor> lora_ends, std::optional<at::Tensor> lora_slots,
                      std::optional<at::Tensor> lora_scales) const {
-    const LoraStep lora{lora_starts, lora_ends, lora_slots, lora_scales};
-    TORCH_CHECK(lora.starts.has_value() == (lora.ends.has_value() && lora.slots.has_value() && lora.scales.has_value()),
+    TORCH_CHECK(lora_starts.has_value() == (lora_ends.has_value() && lora_slots.has_value() && lora_scales.has_value()),
                 "LoRA segments come as starts, ends, slots and scales together");
+    LoraStep lora;
+    if (lora_starts.has_value())
+      lora = LoraStep{lora_starts->data_ptr<int32_t>(), lora_ends->data_ptr<int32_t>(), lora_slots->data_ptr<int32_t>(),
+                      lora_scales->data_ptr<float>(), lora_starts->numel()};
     const int64_t T = x_in.size(0);
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(), "one cache per layer");
     TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T,

@@ -1,6 +1,7 @@
 // LoRA's grouped (segment) matmul on CPU: every row of a step gets its own
 // adapter's low-rank update, all adapters of the step in one call
-// (sluice_kernels/lora.py has the layout, the math and the torch reference):
+// (sluice_kernels/lora.py has the math, the torch reference, the packed
+// layout below and `lora_pack_cpu`, which writes it):
 //
 //   lora_apply_(y, x, a, b, bounds, seg_starts, seg_ends, seg_slots, ranks, scales)
 //     for segment g (rows [seg_starts[g], seg_ends[g]) on slot s = seg_slots[g]),
@@ -8,161 +9,232 @@
 //       h[t, p, :r]                      = A[s, p, :r] x[t]                  (shrink)
 //       y[t, bounds[p] .. bounds[p+1])  += scales[s] * (B[s, those rows, :r] h[t, p])  (expand)
 //
-// Two parallel phases, each over a flat list of independent items:
+// The stacks come packed once, at load, so that both phases stream them
+// front to back and multiply along 16 lanes without a horizontal sum:
 //
-//   shrink  items (g, p, k), k < r: the dot of A[s, p, k] with every row of
-//           the segment (the A row is read once for all of them)
-//   expand  items (g, block of 64 output rows): the block's B rows are
-//           transposed once, then every row t of the segment adds
-//           sum_k h[t, p, k] B[s, o, k] along the block's outputs o (split
-//           where a piece ends)
+//   a  [S, P, RP/16, IN, 16]  panel j holds ranks 16j .. 16j+15 of every
+//                             input column: a[s, p, j, i, l] = A[s, p, 16j + l, i]
+//                             (RP: the stacks' rank R rounded up to 16; zeros
+//                             past a slot's rank)
+//   b  [S, NB, R, 64]         output block n holds outputs 64n .. 64n+63 of
+//                             every rank: b[s, n, k, o] = B[s, 64n + o, k]
+//                             (NB = ceil(OUT / 64); zeros past OUT)
 //
-// A decode step reads each adapter's A and B once per layer, whatever the
-// number of its rows; pieces an adapter leaves alone (rank 0) are skipped.
-// Dots run 16 lanes of partial sums, which the compiler vectorizes
-// (-march=native) without reassociating anything. float32 throughout.
+// Two parallel phases, each over a flat range of independent items:
+//
+//   shrink  (segment, piece, chunk of KC inputs, block of kRowBlock rows):
+//           a partial h over the chunk's inputs, 16 ranks per vector, one
+//           multiply-add per input and row (rows in registers, 8 at a time)
+//   expand  (segment, output block, block of kRowBlock rows): h summed over
+//           the chunks, then one multiply-add per rank over the block's 64
+//           outputs (4 rows x 4 vectors in registers), for each piece in the
+//           block (only its own outputs are written)
+//
+// The chunks make a decode step (a few rows per adapter) parallel over the
+// reduction: a segment of 1 row still gives P * ceil(IN / KC) shrink items.
+// Chunk boundaries depend on IN alone and h is summed over them in order,
+// so a row's update is the same whatever the other rows of the step, the
+// segment's length or the number of threads. A decode step reads each
+// adapter's A and B once per layer; pieces of rank 0 are skipped. float32
+// throughout; the vectors are GCC/Clang vector types, which -march=native
+// lowers to the host's widest registers (AVX-512, AVX2, or SSE).
+//
+// No argument is checked here: sluice_kernels.lora.check_lora_args is the one
+// validator (lora_apply_cpu calls it, and the decoder's Python side checks its
+// stacks when it hands them over and its segments once per step).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "sluice_cpu.h"
 
 namespace {
 
-constexpr int64_t kLanes = 16;
-constexpr int64_t kOutBlock = 64;
+typedef float v16 __attribute__((vector_size(64)));
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  float lanes[kLanes] = {0.f};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int64_t j = 0; j < kLanes; ++j) lanes[j] += a[i + j] * b[i + j];
-  float sum = 0.f;
-  for (int64_t j = 0; j < kLanes; ++j) sum += lanes[j];
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
+constexpr int64_t kLanes = 16;
+constexpr int64_t kOutBlock = 64;   // outputs per packed B block (4 vectors)
+constexpr int64_t kChunk = 192;     // inputs per shrink item (the chunk of the reduction)
+constexpr int64_t kRowBlock = 64;   // rows per item
+
+inline v16 load(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
 }
 
-void check_int32(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kInt && t.is_contiguous() && t.device().is_cpu(), name,
-              " must be a contiguous int32 CPU tensor");
+inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+
+// acc[m] = sum_{i in [i0, i1)} x[m][i] * panel[i]  for M rows, one 16-rank panel.
+template <int M>
+void shrink_rows(const float* x, int64_t x_stride, const float* panel, int64_t i0, int64_t i1, float* out,
+                 int64_t out_stride) {
+  v16 acc[M] = {};
+  for (int64_t i = i0; i < i1; ++i) {
+    const v16 av = load(panel + i * kLanes);
+    for (int m = 0; m < M; ++m) acc[m] += x[m * x_stride + i] * av;
+  }
+  for (int m = 0; m < M; ++m) store(out + m * out_stride, acc[m]);
+}
+
+// acc[m][0:64] = sum_{k < r} h[m][k] * block[k][0:64]  for M rows, then
+// y[m][o] += scale * acc[m][o] on the block's outputs [lo, hi) (offsets in
+// the block).
+template <int M>
+void expand_rows(const float* h, int64_t h_stride, const float* block, int64_t r, float* y, int64_t y_stride,
+                 int64_t lo, int64_t hi, float scale) {
+  v16 acc[M][4] = {};
+  for (int64_t k = 0; k < r; ++k) {
+    const float* bk = block + k * kOutBlock;
+    const v16 b0 = load(bk), b1 = load(bk + 16), b2 = load(bk + 32), b3 = load(bk + 48);
+    for (int m = 0; m < M; ++m) {
+      const float hk = h[m * h_stride + k];
+      acc[m][0] += hk * b0;
+      acc[m][1] += hk * b1;
+      acc[m][2] += hk * b2;
+      acc[m][3] += hk * b3;
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    float* y_row = y + m * y_stride;
+    if (lo == 0 && hi == kOutBlock) {
+      for (int v = 0; v < 4; ++v) store(y_row + 16 * v, load(y_row + 16 * v) + acc[m][v] * scale);
+    } else {
+      float lanes[kOutBlock];
+      for (int v = 0; v < 4; ++v) store(lanes + 16 * v, acc[m][v]);
+      for (int64_t o = lo; o < hi; ++o) y_row[o] += lanes[o] * scale;
+    }
+  }
+}
+
+template <typename F>
+void by_rows(int64_t rows, int64_t max_m, F&& f) {
+  // f(row offset, count) over blocks of max_m rows, dispatched to a
+  // compile-time count so that the accumulators stay in registers.
+  for (int64_t t = 0; t < rows; t += max_m) f(t, std::min(max_m, rows - t));
 }
 
 }  // namespace
 
 namespace sluice_cpu {
 
-void lora_apply_(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
-                 const at::Tensor& bounds, const at::Tensor& seg_starts, const at::Tensor& seg_ends,
-                 const at::Tensor& seg_slots, const at::Tensor& ranks, const at::Tensor& scales) {
-  TORCH_CHECK(a.dim() == 4 && b.dim() == 3, "a must be [S, P, R, IN] and b [S, OUT, R]");
-  const int64_t S = a.size(0), P = a.size(1), R = a.size(2), IN = a.size(3), OUT = b.size(1);
-  TORCH_CHECK(a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat && a.is_contiguous() &&
-                  b.is_contiguous(), "a and b must be contiguous float32");
-  TORCH_CHECK(b.size(0) == S && b.size(2) == R, "b must be [S, OUT, R] with a's S and R");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 && x.size(1) == IN,
-              "x must be float32 [T, IN] with contiguous rows");
-  TORCH_CHECK(y.scalar_type() == at::kFloat && y.dim() == 2 && y.stride(1) == 1 && y.size(1) == OUT &&
-                  y.size(0) == x.size(0), "y must be float32 [T, OUT] with contiguous rows");
-  for (auto [t, name] : {std::pair{&bounds, "bounds"}, {&seg_starts, "seg_starts"}, {&seg_ends, "seg_ends"},
-                         {&seg_slots, "seg_slots"}, {&ranks, "ranks"}})
-    check_int32(*t, name);
-  TORCH_CHECK(bounds.numel() == P + 1, "bounds must hold P + 1 = ", P + 1, " row boundaries");
-  TORCH_CHECK(ranks.numel() == S * P, "ranks must be [S, P]");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == S,
-              "scales must be float32 [S]");
-  const int64_t G = seg_starts.numel();
-  TORCH_CHECK(seg_ends.numel() == G && seg_slots.numel() == G, "one start, end and slot per segment");
-
-  const int32_t* bound = bounds.data_ptr<int32_t>();
-  const int32_t* start = seg_starts.data_ptr<int32_t>();
-  const int32_t* end = seg_ends.data_ptr<int32_t>();
-  const int32_t* slot = seg_slots.data_ptr<int32_t>();
-  const int32_t* rank = ranks.data_ptr<int32_t>();
-  const float* scale = scales.data_ptr<float>();
-  TORCH_CHECK(bound[0] == 0 && bound[P] == OUT, "bounds must run from 0 to OUT");
-  for (int64_t p = 0; p < P; ++p) TORCH_CHECK(bound[p] <= bound[p + 1], "bounds must not decrease");
-  const int64_t T = x.size(0);
-  // Rows of segment g sit at h_row[g] .. in the shrunk rows h [rows, P, R].
-  std::vector<int64_t> h_row(G + 1, 0);
+void lora_apply_unchecked(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
+                          const int32_t* bound, const int32_t* start, const int32_t* end, const int32_t* slot,
+                          int64_t G, const int32_t* rank, const float* scale) {
+  // a [S, P, RP/16, IN, 16], b [S, NB, R, 64], y [T, OUT] (module comment).
+  const int64_t P = a.size(1), RP = a.size(2) * kLanes, IN = a.size(3), NB = b.size(1), R = b.size(2);
+  const int64_t OUT = y.size(1);
+  const int64_t NC = (IN + kChunk - 1) / kChunk;
+  // Per segment: its first row in h, its first shrink and expand item.
+  thread_local std::vector<int64_t> offsets;
+  offsets.assign(3 * (G + 1), 0);
+  int64_t* h_row = offsets.data();
+  int64_t* shrink_first = h_row + G + 1;
+  int64_t* expand_first = shrink_first + G + 1;
   for (int64_t g = 0; g < G; ++g) {
-    TORCH_CHECK(0 <= start[g] && start[g] <= end[g] && end[g] <= T, "segment ", g, " is not inside the ", T, " rows");
-    TORCH_CHECK(0 <= slot[g] && slot[g] < S, "segment ", g, ": slot ", slot[g], " is not below ", S);
-    for (int64_t p = 0; p < P; ++p)
-      TORCH_CHECK(0 <= rank[slot[g] * P + p] && rank[slot[g] * P + p] <= R, "ranks must be in [0, R]");
-    h_row[g + 1] = h_row[g] + end[g] - start[g];
+    const int64_t rows = end[g] - start[g], blocks = (rows + kRowBlock - 1) / kRowBlock;
+    h_row[g + 1] = h_row[g] + rows;
+    shrink_first[g + 1] = shrink_first[g] + P * NC * blocks;
+    expand_first[g + 1] = expand_first[g] + NB * blocks;
   }
   if (h_row[G] == 0) return;
-
-  struct Shrink { int64_t g, p, k; };
-  std::vector<Shrink> shrinks;
-  struct Expand { int64_t g, first; };
-  std::vector<Expand> expands;
-  for (int64_t g = 0; g < G; ++g) {
-    bool any = false;
-    for (int64_t p = 0; p < P; ++p) {
-      const int64_t r = rank[slot[g] * P + p];
-      for (int64_t k = 0; k < r; ++k) shrinks.push_back({g, p, k});
-      any = any || r > 0;
-    }
-    if (any)
-      for (int64_t o = 0; o < OUT; o += kOutBlock) expands.push_back({g, o});
-  }
-
-  at::Tensor h_tensor = at::empty({h_row[G], P, R}, x.options());
-  float* h = h_tensor.data_ptr<float>();
+  // Partial h per row, piece and chunk: [rows, P, NC, RP]; entries of pieces
+  // of rank 0 are never written nor read.
+  thread_local std::vector<float> h_scratch;
+  h_scratch.resize(h_row[G] * P * NC * RP);
+  float* h = h_scratch.data();
   const float* xs = x.data_ptr<float>();
   const float* as = a.data_ptr<float>();
   const float* bs = b.data_ptr<float>();
   float* ys = y.data_ptr<float>();
   const int64_t x_stride = x.stride(0), y_stride = y.stride(0);
+  const int64_t h_stride = P * NC * RP;  // between rows
 
-  at::parallel_for(0, static_cast<int64_t>(shrinks.size()), 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) {
-      const auto [g, p, k] = shrinks[i];
-      const float* a_row = as + ((slot[g] * P + p) * R + k) * IN;
-      for (int64_t t = start[g]; t < end[g]; ++t)
-        h[((h_row[g] + t - start[g]) * P + p) * R + k] = dot(a_row, xs + t * x_stride, IN);
-    }
-  });
-  at::parallel_for(0, static_cast<int64_t>(expands.size()), 1, [&](int64_t lo, int64_t hi) {
-    // B's rows of the block, transposed ([r][n]), so that each row t's
-    // update runs along the outputs: n lanes of sums, one multiply-add
-    // per rank, no horizontal reduction per output.
-    std::vector<float> bt(R * kOutBlock);
-    float acc[kOutBlock];
-    for (int64_t i = lo; i < hi; ++i) {
-      const auto [g, first] = expands[i];
-      const int64_t s = slot[g];
-      const int64_t last = std::min(first + kOutBlock, OUT);
-      int64_t p = 0;
-      for (int64_t o0 = first; o0 < last;) {
-        while (o0 >= bound[p + 1]) ++p;
-        const int64_t o1 = std::min<int64_t>(last, bound[p + 1]);
-        const int64_t r = rank[s * P + p], n = o1 - o0;
-        if (r > 0) {
-          const float* b_rows = bs + (s * OUT + o0) * R;
-          for (int64_t j = 0; j < n; ++j)
-            for (int64_t k = 0; k < r; ++k) bt[k * n + j] = b_rows[j * R + k];
-          for (int64_t t = start[g]; t < end[g]; ++t) {
-            const float* h_piece = h + ((h_row[g] + t - start[g]) * P + p) * R;
-            for (int64_t j = 0; j < n; ++j) acc[j] = 0.f;
-            for (int64_t k = 0; k < r; ++k) {
-              const float hk = h_piece[k];
-              const float* bk = bt.data() + k * n;
-              for (int64_t j = 0; j < n; ++j) acc[j] += hk * bk[j];
-            }
-            float* y_row = ys + t * y_stride + o0;
-            for (int64_t j = 0; j < n; ++j) y_row[j] += acc[j] * scale[s];
+  auto segment_of = [&](const int64_t* first, int64_t item) {
+    return static_cast<int64_t>(std::upper_bound(first, first + G + 1, item) - first) - 1;
+  };
+
+  at::parallel_for(0, shrink_first[G], 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t item = lo; item < hi; ++item) {
+      const int64_t g = segment_of(shrink_first, item);
+      int64_t rest = item - shrink_first[g];
+      const int64_t c = rest % NC;
+      rest /= NC;
+      const int64_t p = rest % P, block = rest / P;
+      const int64_t s = slot[g], r = rank[s * P + p];
+      if (r == 0) continue;
+      const int64_t t0 = start[g] + block * kRowBlock, t1 = std::min<int64_t>(end[g], t0 + kRowBlock);
+      const int64_t i0 = c * kChunk, i1 = std::min(IN, i0 + kChunk);
+      for (int64_t pan = 0; pan * kLanes < r; ++pan) {
+        const float* panel = as + ((s * P + p) * (RP / kLanes) + pan) * IN * kLanes;
+        by_rows(t1 - t0, 8, [&](int64_t t, int64_t m) {
+          const float* x_rows = xs + (t0 + t) * x_stride;
+          float* out = h + (h_row[g] + t0 - start[g] + t) * h_stride + (p * NC + c) * RP + pan * kLanes;
+          switch (m) {
+            case 8: shrink_rows<8>(x_rows, x_stride, panel, i0, i1, out, h_stride); break;
+            case 7: shrink_rows<7>(x_rows, x_stride, panel, i0, i1, out, h_stride); break;
+            case 6: shrink_rows<6>(x_rows, x_stride, panel, i0, i1, out, h_stride); break;
+            case 5: shrink_rows<5>(x_rows, x_stride, panel, i0, i1, out, h_stride); break;
+            case 4: shrink_rows<4>(x_rows, x_stride, panel, i0, i1, out, h_stride); break;
+            case 3: shrink_rows<3>(x_rows, x_stride, panel, i0, i1, out, h_stride); break;
+            case 2: shrink_rows<2>(x_rows, x_stride, panel, i0, i1, out, h_stride); break;
+            default: shrink_rows<1>(x_rows, x_stride, panel, i0, i1, out, h_stride); break;
           }
-        }
-        o0 = o1;
+        });
       }
     }
   });
+  at::parallel_for(0, expand_first[G], 1, [&](int64_t lo, int64_t hi) {
+    // h of up to 4 rows of one piece, summed over the chunks: [4][R].
+    thread_local std::vector<float> h_sum;
+    h_sum.resize(4 * R);
+    for (int64_t item = lo; item < hi; ++item) {
+      const int64_t g = segment_of(expand_first, item);
+      const int64_t rest = item - expand_first[g];
+      const int64_t n = rest % NB, block = rest / NB;
+      const int64_t s = slot[g];
+      const int64_t t0 = start[g] + block * kRowBlock, t1 = std::min<int64_t>(end[g], t0 + kRowBlock);
+      const int64_t o0 = n * kOutBlock, o1 = std::min(OUT, o0 + kOutBlock);
+      int64_t p = 0;
+      while (bound[p + 1] <= o0) ++p;
+      for (; p < P && bound[p] < o1; ++p) {
+        const int64_t r = rank[s * P + p];
+        if (r == 0) continue;
+        const int64_t lo_o = std::max<int64_t>(o0, bound[p]) - o0, hi_o = std::min<int64_t>(o1, bound[p + 1]) - o0;
+        const float* out_block = bs + (s * NB + n) * R * kOutBlock;
+        by_rows(t1 - t0, 4, [&](int64_t t, int64_t m) {
+          for (int64_t mm = 0; mm < m; ++mm) {
+            const float* part = h + (h_row[g] + t0 - start[g] + t + mm) * h_stride + p * NC * RP;
+            float* sum = h_sum.data() + mm * R;
+            for (int64_t k = 0; k < r; ++k) sum[k] = part[k];
+            for (int64_t c = 1; c < NC; ++c)
+              for (int64_t k = 0; k < r; ++k) sum[k] += part[c * RP + k];
+          }
+          float* y_rows = ys + (t0 + t) * y_stride + o0;
+          const float sc = scale[s];
+          switch (m) {
+            case 4: expand_rows<4>(h_sum.data(), R, out_block, r, y_rows, y_stride, lo_o, hi_o, sc); break;
+            case 3: expand_rows<3>(h_sum.data(), R, out_block, r, y_rows, y_stride, lo_o, hi_o, sc); break;
+            case 2: expand_rows<2>(h_sum.data(), R, out_block, r, y_rows, y_stride, lo_o, hi_o, sc); break;
+            default: expand_rows<1>(h_sum.data(), R, out_block, r, y_rows, y_stride, lo_o, hi_o, sc); break;
+          }
+        });
+      }
+    }
+  });
+}
+
+void lora_apply_(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
+                 const at::Tensor& bounds, const at::Tensor& seg_starts, const at::Tensor& seg_ends,
+                 const at::Tensor& seg_slots, const at::Tensor& ranks, const at::Tensor& scales) {
+  lora_apply_unchecked(y, x, a, b, bounds.data_ptr<int32_t>(), seg_starts.data_ptr<int32_t>(),
+                       seg_ends.data_ptr<int32_t>(), seg_slots.data_ptr<int32_t>(), seg_starts.numel(),
+                       ranks.data_ptr<int32_t>(), scales.data_ptr<float>());
 }
 
 }  // namespace sluice_cpu

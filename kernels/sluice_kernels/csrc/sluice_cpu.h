@@ -22,6 +22,13 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t form
 at::Tensor exact_linear(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t N, int64_t isa_code);
 at::Tensor grouped_block_linear(const at::Tensor& x, const std::vector<int64_t>& offsets, const at::Tensor& packed,
                                 int64_t format, int64_t N, bool int8, int64_t isa_code);
+// LoRA's grouped matmul (cpu_lora.cpp) on stacks packed by
+// sluice_kernels.lora.lora_pack_cpu; nothing is checked (check_lora_args in
+// sluice_kernels/lora.py is the validator). The decoder calls the unchecked
+// form with its step's segments as raw int32 arrays of G entries each.
+void lora_apply_unchecked(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
+                          const int32_t* bounds, const int32_t* starts, const int32_t* ends, const int32_t* slots,
+                          int64_t G, const int32_t* ranks, const float* scales);
 void lora_apply_(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
                  const at::Tensor& bounds, const at::Tensor& seg_starts, const at::Tensor& seg_ends,
                  const at::Tensor& seg_slots, const at::Tensor& ranks, const at::Tensor& scales);

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sluice_kernels.lora import lora_apply_reference
+from sluice_kernels.lora import check_lora_args, lora_apply_reference
 from sluice_kernels.triton import triton_interpreting
 
 __all__ = ["lora_apply_triton", "lora_apply_reference"]
@@ -114,11 +114,8 @@ def lora_apply_triton(
     """y += each row's adapter update, in place (layout: sluice_kernels.lora).
     Index tensors int32 on y's device; `max_rows`: the longest segment (the
     host knows it; the grid is sized by it)."""
-    S, P, R, IN = a.shape
-    OUT = b.shape[1]
-    assert b.shape == (S, OUT, R) and x.shape[1] == IN and y.shape == (x.shape[0], OUT), "shapes disagree"
-    assert x.stride(1) == 1 and y.stride(1) == 1 and a.is_contiguous() and b.is_contiguous(), "rows must be contiguous"
-    assert bounds.numel() == P + 1 and ranks.numel() == S * P and scales.numel() == S
+    d = check_lora_args(y, x, a, b, bounds, seg_starts, seg_ends, seg_slots, ranks, scales, packed=False)
+    P, R, IN, OUT = d.pieces, d.rank, d.in_features, d.out_features
     groups = seg_starts.numel()
     if groups == 0 or max_rows == 0:
         return

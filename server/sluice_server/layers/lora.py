@@ -11,6 +11,11 @@ empty, rank 0 where its adapter leaves a piece of the layer alone):
     b      [slots, out, R]          piece p's output rows read piece p's h
     ranks  [slots, pieces]
 
+For the C++ kernel the stacks are held in its packed layout instead
+(sluice_kernels.lora: A in panels of 16 ranks along the inputs, B in
+blocks of 64 outputs along the ranks), written as adapters load, so no
+step reorders them; `LoraWeights.write_` hides which layout a layer holds.
+
 The step's rows are grouped by slot (batch.build_batch sorts decodes and
 prefill chunks by slot), so each adapter is one segment of consecutive rows
 [start, end); rows of the base model belong to no segment and are left alone:
@@ -19,9 +24,9 @@ prefill chunks by slot), so each adapter is one segment of consecutive rows
     slot     -  1  1  2  2  3 | -  -  1  1  1       (- = the base model)
     segments [1, 3) s1   [3, 5) s2   [5, 6) s3   [8, 11) s1
 
-`LoraSegments` is that table, built once per step and shared by every layer
-through the slots' `LoraContext`; a step without adapter rows has none, and
-the layers then skip LoRA entirely. Which implementation runs is chosen once,
+`LoraSegments` is that table, built (and its int32 tensors made) once per
+step and shared by every layer through the slots' `LoraContext`; a step
+without adapter rows has none, and the layers then skip LoRA entirely. Which implementation runs is chosen once,
 with the stacks: the Triton kernel on CUDA (and under Triton's interpreter
 with the triton backend), the C++ kernel on CPU in float32 when the CPU
 kernels are loaded, else the plain-torch reference.
@@ -33,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sluice_kernels.lora import lora_apply_cpu, lora_apply_reference
+from sluice_kernels.lora import lora_apply_cpu, lora_apply_reference, lora_dims, lora_pack_cpu, lora_write_cpu_
 
 KERNELS = ("torch", "cpu", "triton")
 
@@ -106,7 +111,8 @@ class LoraContext:
 
 @dataclass
 class LoraWeights:
-    """One linear layer's stacked adapters (see the module comment)."""
+    """One linear layer's stacked adapters (see the module comment), in the
+    layout of the context's kernel (packed for "cpu")."""
 
     a: torch.Tensor
     b: torch.Tensor
@@ -118,8 +124,21 @@ class LoraWeights:
     rank_lists: list[list[int]] = field(init=False)
     bounds_t: torch.Tensor = field(init=False)
 
+    @classmethod
+    def zeros(cls, slots: int, pieces: int, rank: int, in_features: int, bounds: list[int], dtype: torch.dtype,
+              device: torch.device, context: LoraContext) -> "LoraWeights":
+        """Empty stacks for every slot, in the layout `context.kernel` reads."""
+        a = torch.zeros(slots, pieces, rank, in_features, dtype=dtype, device=device)
+        b = torch.zeros(slots, bounds[-1], rank, dtype=dtype, device=device)
+        if context.kernel == "cpu":
+            a, b = lora_pack_cpu(a, b)
+        return cls(a=a, b=b, bounds=bounds, context=context)
+
     def __post_init__(self):
-        slots, pieces = self.a.shape[:2]
+        self.packed = self.context.kernel == "cpu"
+        dims = lora_dims(self.a, self.b, self.packed, self.bounds[-1])
+        self.rank = dims.rank
+        slots, pieces = dims.slots, dims.pieces
         self.ranks = torch.zeros(slots, pieces, dtype=torch.int32, device=self.a.device)
         self.rank_lists = [[0] * pieces for _ in range(slots)]
         self.bounds_t = torch.tensor(self.bounds, dtype=torch.int32, device=self.a.device)
@@ -129,13 +148,26 @@ class LoraWeights:
         return self.a.nbytes + self.b.nbytes
 
     def set_rank(self, stack_index: int, piece: int, rank: int) -> None:
+        if not 0 <= rank <= self.rank:
+            raise ValueError(f"rank {rank} is not in [0, {self.rank}]")
         self.ranks[stack_index, piece] = rank
         self.rank_lists[stack_index][piece] = rank
+
+    def write_(self, stack_index: int, piece: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """One piece's A [r, in] and B [piece's out, r] into slot stack_index."""
+        r = a.shape[0]
+        lo = self.bounds[piece]
+        if self.packed:
+            lora_write_cpu_(self.a, self.b, stack_index, piece, lo, a, b)
+        else:
+            self.a[stack_index, piece, :r].copy_(a)
+            self.b[stack_index, lo : lo + b.shape[0], :r].copy_(b)
+        self.set_rank(stack_index, piece, r)
 
     def zero_slot_(self, stack_index: int) -> None:
         self.a[stack_index].zero_()
         self.b[stack_index].zero_()
-        for piece in range(self.a.shape[1]):
+        for piece in range(len(self.bounds) - 1):
             self.set_rank(stack_index, piece, 0)
 
     def apply_(self, x: torch.Tensor, y: torch.Tensor) -> None:

@@ -22,11 +22,13 @@ attends). Which steps qualify is the model runner's decision: at most
 `max_rows` rows, all of that kind.
 
 LoRA adapters: once the shard's adapter slots exist, `attach_lora` hands
-the decoder every adapted linear layer's stacks (held by reference, so
-adapters loaded later show), and a step with adapter rows passes their
-segments; the decoder adds the updates with the same kernel, at the same
-point, as the Python layers (layers.lora with the C++ grouped matmul), so
-such steps stay bitwise the Python forward's.
+the decoder every adapted linear layer's packed stacks (checked when the
+layer made them; held by reference, so adapters loaded later show), and a
+step with adapter rows passes their segments, checked here once per step
+rather than by each of the step's 120 kernel calls; the decoder adds the
+updates with the same kernel, at the same point, as the Python layers
+(layers.lora with the C++ grouped matmul), so such steps stay bitwise the
+Python forward's.
 
 Models it declines (their forward runs every step): other families (even
 subclasses of the Llama model), tensor parallelism, sliding-window layers
@@ -41,6 +43,7 @@ import logging
 import torch
 
 from sluice_kernels.cpu_matmuls import ALL_ROWS
+from sluice_kernels.lora import check_segments
 from sluice_server.layers.lora import LoraSegments
 from sluice_server.models.llama import LlamaForCausalLM
 
@@ -71,7 +74,7 @@ class LlamaCpuDecoder:
         (float32, the C++ grouped matmul's); True when it can then run steps
         with adapter rows."""
         loras = [(i, j, m.lora) for i, j, m in self.linears() if m.lora is not None]
-        if not loras or loras[0][2].context.kernel != "cpu":
+        if not loras or not all(lora.packed for _, _, lora in loras):
             self.lora_scales = None
             return False
         for i, j, lora in loras:
@@ -101,6 +104,7 @@ class LlamaCpuDecoder:
         if lora is not None:
             if self.lora_scales is None:
                 raise RuntimeError("a step with adapter rows, but the decoder has no LoRA stacks (attach_lora)")
+            check_segments(lora.starts_t, lora.ends_t, lora.slots_t, input_ids.numel(), self.lora_scales.numel())
             segments = (lora.starts_t, lora.ends_t, lora.slots_t, self.lora_scales)
         model = self.model
         x = model.model.embed_tokens(input_ids)
