@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 
 use clap::{Parser, ValueEnum};
-use sluice_router::config::ServingFlags;
+use sluice_router::ServingFlags;
 
 /// The model id passed to `sluice-server download-weights` when no
 /// `--model-id` is given: the server resolves it to the .gguf shipped in the

@@ -5,7 +5,7 @@
 //! them from starving. Every request still gets its solo tokens, and no
 //! block leaks.
 
-mod scheduler_support;
+pub mod scheduler_support;
 
 use std::sync::Arc;
 use std::time::Duration;
