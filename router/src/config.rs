@@ -52,7 +52,10 @@ pub struct ServingFlags {
     /// Default: the model's max_position_embeddings, at most 4096.
     #[arg(long, env = "SLUICE_MAX_TOTAL_TOKENS")]
     pub max_total_tokens: Option<u32>,
-    /// The most tokens one step computes (prefill chunks and decodes).
+    /// The step's token budget: the most tokens one step computes, summed
+    /// over its requests (a prefill chunk counts its tokens, a decode 1, a
+    /// speculative draft token 1). TGI's name, kept for its command lines:
+    /// TGI with chunked prefill also takes the running decodes off it.
     /// Default: --max-total-tokens, at most 4096.
     #[arg(long, env = "SLUICE_MAX_BATCH_PREFILL_TOKENS")]
     pub max_batch_prefill_tokens: Option<u32>,
