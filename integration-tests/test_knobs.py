@@ -33,9 +33,8 @@ NOT_SETTINGS = {
     # beside it (launcher/src/exe.rs): development and the supervision tests.
     "SLUICE_SERVER_BIN": "program location override",
     "SLUICE_ROUTER_BIN": "program location override",
-    # C preprocessor macros of the CPU kernels, not environment variables.
+    # A C preprocessor macro of the CPU kernels, not an environment variable.
     "SLUICE_X86": "C macro",
-    "SLUICE_HEADERS_HASH": "C macro",
 }
 
 # Flags of `sluice-router` only: the launcher sets them itself for the router
