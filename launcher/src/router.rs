@@ -103,7 +103,7 @@ mod tests {
     use super::*;
     use crate::args::test_args;
     use clap::Parser;
-    use sluice_router::config::{RouterConfig, ServingFlags};
+    use sluice_router::{RouterConfig, ServingFlags};
 
     fn router_command(args: &[&str]) -> Command {
         let args = test_args(args);

@@ -73,7 +73,7 @@ pub async fn run(args: Args) -> Result<()> {
     // Before minutes of weight loading: the router would fail on it later
     // (the default folder in use only turns the Batch API off).
     if let Some(dir) = &args.serving.data_dir {
-        sluice_router::batch::store::check_available(dir)?;
+        sluice_router::check_data_dir(dir)?;
     }
 
     let Some(model) = resolve::resolve(&exes.server, &args, lines, signals.recv()).await? else {

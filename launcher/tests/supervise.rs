@@ -423,7 +423,7 @@ fn the_bundled_model_is_resolved_by_default() {
         .env("SLUICE_ROUTER_BIN", &me)
         .env("FAKE_DIR", &dir)
         .env("FAKE_DOWNLOAD", "fail")
-        .env_remove("MODEL_ID")
+        .env_remove("SLUICE_MODEL_ID")
         .output()
         .unwrap();
     let args = std::fs::read_to_string(dir.join("download.args")).unwrap();

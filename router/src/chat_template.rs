@@ -144,6 +144,7 @@ impl ChatTemplate {
         Self::new(source, bos, eos).map(Some)
     }
 
+    #[cfg(test)]
     pub fn apply(
         &self,
         messages: &[TemplateMessage],

@@ -21,7 +21,7 @@ pub struct RouterConfig {
     #[arg(long, env = "SLUICE_TOKENIZER")]
     pub tokenizer: PathBuf,
     /// Shown in /info.
-    #[arg(long, env = "MODEL_ID", default_value = "sluice")]
+    #[arg(long, env = "SLUICE_MODEL_ID", default_value = "sluice")]
     pub model_id: String,
     /// Fault injection for the fault tests; never set in production.
     #[arg(long, env = "SLUICE_FAULT", hide = true)]
@@ -46,42 +46,45 @@ pub struct ServingFlags {
     #[arg(long, short, env = "PORT", default_value_t = 8080)]
     pub port: u16,
     /// The longest prompt, in tokens. Default: --max-total-tokens - 1.
-    #[arg(long, env = "MAX_INPUT_TOKENS")]
+    #[arg(long, env = "SLUICE_MAX_INPUT_TOKENS")]
     pub max_input_tokens: Option<u32>,
     /// The longest sequence (prompt + generated tokens) of one request.
     /// Default: the model's max_position_embeddings, at most 4096.
-    #[arg(long, env = "MAX_TOTAL_TOKENS")]
+    #[arg(long, env = "SLUICE_MAX_TOTAL_TOKENS")]
     pub max_total_tokens: Option<u32>,
-    /// The most tokens one step computes (prefill chunks and decodes).
+    /// The step's token budget: the most tokens one step computes, summed
+    /// over its requests (a prefill chunk counts its tokens, a decode 1, a
+    /// speculative draft token 1). TGI's name, kept for its command lines:
+    /// TGI with chunked prefill also takes the running decodes off it.
     /// Default: --max-total-tokens, at most 4096.
-    #[arg(long, env = "MAX_BATCH_PREFILL_TOKENS")]
+    #[arg(long, env = "SLUICE_MAX_BATCH_PREFILL_TOKENS")]
     pub max_batch_prefill_tokens: Option<u32>,
     /// Cap on the KV token slots in use at once. Default: everything the
     /// shards' KV cache holds.
-    #[arg(long, env = "MAX_BATCH_TOTAL_TOKENS")]
+    #[arg(long, env = "SLUICE_MAX_BATCH_TOTAL_TOKENS")]
     pub max_batch_total_tokens: Option<u32>,
     /// The most requests in one step. Default: --max-concurrent-requests.
-    #[arg(long, env = "MAX_BATCH_SIZE")]
+    #[arg(long, env = "SLUICE_MAX_BATCH_SIZE")]
     pub max_batch_size: Option<u32>,
     /// Requests waiting or running at once; more get HTTP 429.
-    #[arg(long, env = "MAX_CONCURRENT_REQUESTS", default_value_t = 128)]
+    #[arg(long, env = "SLUICE_MAX_CONCURRENT_REQUESTS", default_value_t = 128)]
     pub max_concurrent_requests: u32,
     /// The most stop sequences one request may give.
-    #[arg(long, env = "MAX_STOP_SEQUENCES", default_value_t = 4)]
+    #[arg(long, env = "SLUICE_MAX_STOP_SEQUENCES", default_value_t = 4)]
     pub max_stop_sequences: u32,
     /// The most alternatives (`top_n_tokens` / `top_logprobs`) one request
     /// may ask for.
-    #[arg(long, env = "MAX_TOP_N_TOKENS", default_value_t = 5)]
+    #[arg(long, env = "SLUICE_MAX_TOP_N_TOKENS", default_value_t = 5)]
     pub max_top_n_tokens: u32,
     /// The largest OpenAI `n` (choices per prompt).
     #[arg(long, env = "SLUICE_MAX_N", default_value_t = 8)]
     pub max_n: u32,
     /// The most prompts one /v1/completions request may list.
-    #[arg(long, env = "MAX_CLIENT_BATCH_SIZE", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, env = "SLUICE_MAX_CLIENT_BATCH_SIZE", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_client_batch_size: u32,
     /// Reuse the KV blocks of shared prompt prefixes (on by default; env
-    /// PREFIX_CACHING=false turns it off).
-    #[arg(long, env = "PREFIX_CACHING", default_value_t = true, num_args = 0..=1,
+    /// SLUICE_PREFIX_CACHING=false turns it off).
+    #[arg(long, env = "SLUICE_PREFIX_CACHING", default_value_t = true, num_args = 0..=1,
           default_missing_value = "true", action = ArgAction::Set, overrides_with = "no_prefix_caching")]
     pub prefix_caching: bool,
     /// Turn prefix caching off.
@@ -96,17 +99,17 @@ pub struct ServingFlags {
     #[arg(long, overrides_with = "web_ui")]
     pub no_web_ui: bool,
     /// Model name of the OpenAI API (`model`). Default: --model-id.
-    #[arg(long, env = "SERVED_MODEL_NAME")]
+    #[arg(long, env = "SLUICE_SERVED_MODEL_NAME")]
     pub served_model_name: Option<String>,
     /// Chat template replacing the model's: a file path or an inline Jinja
     /// template.
-    #[arg(long, env = "CHAT_TEMPLATE")]
+    #[arg(long, env = "SLUICE_CHAT_TEMPLATE")]
     pub chat_template: Option<String>,
     /// How the model writes tool calls, parsed back into `tool_calls`:
     /// hermes (Qwen2.5, SmolLM2, Hermes), llama3_json (Llama 3.x) or
     /// mistral. Default: chosen from the chat template (hermes when it does
     /// not say).
-    #[arg(long, env = "TOOL_CALL_PARSER", value_enum)]
+    #[arg(long, env = "SLUICE_TOOL_CALL_PARSER", value_enum)]
     pub tool_call_parser: Option<crate::tool_calls::ToolParserKind>,
     /// How the model thinks, split off the answer into `reasoning_content`
     /// (and the Responses and Anthropic APIs' reasoning/thinking items):
@@ -135,29 +138,29 @@ pub struct ServingFlags {
     pub metrics_auth: bool,
     /// Allowed CORS origin (scheme://host[:port], or * for any); repeat, or
     /// separate with commas, for several.
-    #[arg(long, env = "CORS_ALLOW_ORIGIN", value_delimiter = ',', value_parser = parse_origin)]
+    #[arg(long, env = "SLUICE_CORS_ALLOW_ORIGIN", value_delimiter = ',', value_parser = parse_origin)]
     pub cors_allow_origin: Vec<String>,
     /// Largest request body in bytes (HTTP 413 above).
-    #[arg(long, env = "PAYLOAD_LIMIT", default_value_t = 2_000_000)]
+    #[arg(long, env = "SLUICE_PAYLOAD_LIMIT", default_value_t = 2_000_000)]
     pub payload_limit: usize,
     /// Most open HTTP connections; one more is answered 503 and closed.
-    #[arg(long, env = "MAX_CONNECTIONS", default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, env = "SLUICE_MAX_CONNECTIONS", default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_connections: u32,
     /// Seconds a client has to send a request's head; also how long a
     /// keep-alive connection may sit idle between requests.
-    #[arg(long, env = "HEADER_TIMEOUT", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, env = "SLUICE_HEADER_TIMEOUT", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
     pub header_timeout: u64,
     /// Seconds a request body may go without a byte arriving (HTTP 408).
-    #[arg(long, env = "BODY_TIMEOUT", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, env = "SLUICE_BODY_TIMEOUT", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
     pub body_timeout: u64,
     /// Seconds in-flight requests get to finish after SIGTERM/SIGINT.
-    #[arg(long, env = "SHUTDOWN_TIMEOUT", default_value_t = 30)]
+    #[arg(long, env = "SLUICE_SHUTDOWN_TIMEOUT", default_value_t = 30)]
     pub shutdown_timeout: u64,
     /// Seconds one step may take before the shards count as stuck: in-flight
     /// requests then fail (503), /health fails and the server exits non-zero,
     /// to be restarted. Applies from the first step unless the shards may
     /// still compile kernels (see --first-steps-timeout).
-    #[arg(long, env = "STEP_TIMEOUT", default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, env = "SLUICE_STEP_TIMEOUT", default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..))]
     pub step_timeout: u64,
     /// --step-timeout of the first 16 steps after warmup, used only when the
     /// shards say kernels may still compile then (Triton on CUDA; never on CPU).
@@ -167,7 +170,7 @@ pub struct ServingFlags {
     #[arg(long, env = "SLUICE_PROGRESS_TIMEOUT", default_value_t = 60)]
     pub progress_timeout: u64,
     /// Log JSON lines instead of human-readable text.
-    #[arg(long, env = "JSON_OUTPUT")]
+    #[arg(long, env = "SLUICE_JSON_OUTPUT")]
     pub json_output: bool,
     /// OTLP/gRPC collector (e.g. http://localhost:4317): traces are exported
     /// only when this is set.
@@ -180,36 +183,36 @@ pub struct ServingFlags {
     pub otlp_service_name: Option<String>,
     /// What the deployment costs per hour, in dollars: shown in /info, and
     /// /metrics turns it into dollars per million output tokens.
-    #[arg(long, env = "HOURLY_COST", value_name = "DOLLARS", value_parser = parse_hourly_cost)]
+    #[arg(long, env = "SLUICE_HOURLY_COST", value_name = "DOLLARS", value_parser = parse_hourly_cost)]
     pub hourly_cost: Option<f64>,
     /// Seconds of recent traffic behind the window gauges of /metrics (cost
     /// per million output tokens, prefix-cache hit ratio).
-    #[arg(long, env = "COST_WINDOW_SECS", default_value_t = 60,
+    #[arg(long, env = "SLUICE_COST_WINDOW_SECS", default_value_t = 60,
           value_parser = clap::value_parser!(u64).range(1..=MAX_COST_WINDOW_SECS))]
     pub cost_window_secs: u64,
     /// Speculative decoding: `ngram` proposes the tokens that followed the
     /// latest earlier occurrence of a request's last n tokens (prompt lookup)
     /// and verifies them in the same step. Off when unset.
-    #[arg(long, env = "SPECULATE", value_enum)]
+    #[arg(long, env = "SLUICE_SPECULATE", value_enum)]
     pub speculate: Option<Speculate>,
     /// The most draft tokens per request and step (with --speculate).
-    #[arg(long, env = "SPECULATE_TOKENS", default_value_t = 4,
+    #[arg(long, env = "SLUICE_SPECULATE_TOKENS", default_value_t = 4,
           value_parser = clap::value_parser!(u32).range(1..=64))]
     pub speculate_tokens: u32,
     /// Shortest suffix of a request's tokens looked up (with --speculate ngram).
-    #[arg(long, env = "NGRAM_MIN", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, env = "SLUICE_NGRAM_MIN", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     pub ngram_min: u32,
     /// Longest suffix looked up (with --speculate ngram).
-    #[arg(long, env = "NGRAM_MAX", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, env = "SLUICE_NGRAM_MAX", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
     pub ngram_max: u32,
     /// No request speculates while more than this many run: large batches
     /// are compute-bound and gain nothing from extra query tokens.
-    #[arg(long, env = "SPECULATE_MAX_BATCH_SIZE", default_value_t = 8)]
+    #[arg(long, env = "SLUICE_SPECULATE_MAX_BATCH_SIZE", default_value_t = 8)]
     pub speculate_max_batch_size: u32,
     /// Most tokens (the requests' own and their drafts) a step may compute
     /// with drafts in it: drafts fill the room up to it. On CPU, decode steps
     /// of up to 16 tokens take the fast decode path.
-    #[arg(long, env = "SPECULATE_MAX_STEP_TOKENS", default_value_t = 16,
+    #[arg(long, env = "SLUICE_SPECULATE_MAX_STEP_TOKENS", default_value_t = 16,
           value_parser = clap::value_parser!(u32).range(1..))]
     pub speculate_max_step_tokens: u32,
     /// Folder of the Batch API's database (uploaded files, batches, their

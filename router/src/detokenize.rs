@@ -87,10 +87,6 @@ impl Detokenizer {
         self.read_offset = self.tokens.len();
         Ok(rest)
     }
-
-    pub fn tokens(&self) -> &[u32] {
-        &self.tokens
-    }
 }
 
 #[cfg(test)]

@@ -41,34 +41,56 @@
 //! Beside the path: `metrics` names and records every Prometheus series,
 //! `telemetry` sets up logs and traces, `config` is the one typed
 //! configuration built from the command line at startup (its
-//! `ServingFlags` are the launcher's flags too), `cli` starts everything. `testing` holds test doubles (an in-process shard behind the
-//! same `client::Shard` trait).
+//! `ServingFlags` are the launcher's flags too), `cli` starts everything.
+//! `testing` holds test doubles (an in-process shard behind the same
+//! `client::Shard` trait), compiled for tests only: the crate's own, and
+//! those that turn on the `testing` feature (router/tests do).
+//!
+//! Everything is crate-private unless listed below: the public surface is
+//! what the launcher's binaries (launcher/src), the scheduler's integration
+//! tests (router/tests) and the launcher's tests use, and nothing else.
 
 pub mod pb {
-    //! Generated from proto/sluice/v1/shard.proto by build.rs.
+    //! Generated from proto/sluice/v1/shard.proto by build.rs: the shard
+    //! protocol, public for the launcher's health probe and for stand-in
+    //! shards in tests.
     tonic::include_proto!("sluice.v1");
 }
 
-pub mod http;
-pub mod batch;
-pub mod validation;
-pub mod tokenizer;
-pub mod chat_template;
+/// The contract between the HTTP side and the scheduler: submit a
+/// `ValidRequest`, read `InferEvent`s back.
 pub mod infer;
+/// The scheduler task (`spawn`) and its limits; its KV block allocator and
+/// prefix tree, which the property tests drive directly.
 pub mod scheduler;
+/// The shard group's client and the `Shard` trait the fake shard implements.
 pub mod client;
-pub mod detokenize;
-pub mod stop;
-pub mod grammar;
-pub mod tool_calls;
-pub mod reasoning;
-pub mod harmony;
-
-pub mod cli;
-pub mod config;
-pub mod metrics;
-pub mod telemetry;
+#[cfg(any(test, feature = "testing"))]
 pub mod testing;
+
+mod http;
+mod batch;
+mod validation;
+mod tokenizer;
+mod chat_template;
+mod detokenize;
+mod stop;
+mod grammar;
+mod tool_calls;
+mod reasoning;
+mod harmony;
+
+mod cli;
+mod config;
+mod metrics;
+mod telemetry;
+
+/// `sluice-router`'s entry point (launcher/src/bin/sluice-router.rs).
+pub use cli::main;
+/// The router's command line, and the flags the launcher shares with it.
+pub use config::{RouterConfig, ServingFlags};
+/// The launcher checks `--data-dir` before it loads any weights.
+pub use batch::store::check_available as check_data_dir;
 
 #[cfg(test)]
 mod tests {

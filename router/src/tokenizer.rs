@@ -114,10 +114,6 @@ impl Tokenizer {
         self.inner.token_to_id(token)
     }
 
-    pub fn id_to_token(&self, id: u32) -> Option<String> {
-        self.inner.id_to_token(id)
-    }
-
     /// Vocabulary size including added tokens.
     pub fn vocab_size(&self) -> u32 {
         self.inner.get_vocab_size(true) as u32

@@ -1,7 +1,7 @@
 //! Continuous batching against the fake shard: joining a running batch,
 //! budgets, chunked prefill, cancellation, overload, drain.
 
-mod scheduler_support;
+pub mod scheduler_support;
 
 use std::collections::HashSet;
 use std::time::Duration;

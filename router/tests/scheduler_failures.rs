@@ -1,6 +1,6 @@
 //! Shard failures fail only the requests they touch; the scheduler serves on.
 
-mod scheduler_support;
+pub mod scheduler_support;
 
 use std::time::Duration;
 

@@ -7,7 +7,7 @@
 //! other tokens (and other KV) for every adapter path, and reports a slot
 //! changed under a live request as a violation.
 
-mod scheduler_support;
+pub mod scheduler_support;
 
 use std::time::Duration;
 

@@ -1,6 +1,6 @@
 //! Preemption under a KV budget far too small for the load.
 
-mod scheduler_support;
+pub mod scheduler_support;
 
 use scheduler_support::*;
 use sluice_router::infer::FinishReason;

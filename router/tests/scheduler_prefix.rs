@@ -1,6 +1,6 @@
 //! Prefix caching: admission reuses exactly the cached blocks of a prompt.
 
-mod scheduler_support;
+pub mod scheduler_support;
 
 use scheduler_support::*;
 use sluice_router::pb::NewRequest;

@@ -6,7 +6,7 @@
 //! beside interactive requests. Every request still gets its solo tokens, and no
 //! block leaks.
 
-mod scheduler_support;
+pub mod scheduler_support;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -2,7 +2,7 @@
 //! KV cache: every completed request has its solo tokens, the fake shard
 //! sees no invalid step, and no block leaks.
 
-mod scheduler_support;
+pub mod scheduler_support;
 
 use scheduler_support::*;
 

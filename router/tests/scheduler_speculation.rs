@@ -4,7 +4,7 @@
 //! to the step budget, rejected slots never trusted or cached, no block
 //! leaked through cancellations and preemptions, no drafts in big batches.
 
-mod scheduler_support;
+pub mod scheduler_support;
 
 use scheduler_support::*;
 use sluice_router::infer::FinishReason;

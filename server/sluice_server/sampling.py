@@ -30,10 +30,15 @@ distribution. Nothing depends on a generator's running state or on the other
 rows, so a request yields the same tokens alone, inside any batch, and after
 a preemption that replays it from scratch.
 
-Neutral values disable a feature (proto3 leaves unset fields at 0, so 0 is
-neutral too where 0 would make no sense): temperature 0 = greedy, top_k 0
-(or >= vocab), top_p 0 or 1, min_p 0, typical_p 0 or 1, repetition_penalty
-0 or 1, frequency/presence penalty 0.
+Ranges: the router is the one place that checks them
+(router/src/validation/sampling.rs: temperature >= 0, top_p and typical_p in
+(0, 1], min_p in [0, 1], repetition_penalty in (0, 100], penalties in
+[-2, 2], biases in [-100, 100], all finite) and always sends every field;
+the shard applies what it validated as it is. Neutral values disable a
+feature: temperature 0 = greedy, top_k 0 (or >= vocab), top_p 1, min_p 0,
+typical_p 1, repetition_penalty 1, frequency/presence penalty 0. A 0 in
+top_p, typical_p or repetition_penalty never comes from the router (it
+answers 400); here it is proto3's unset field, and off too.
 """
 
 from __future__ import annotations
@@ -101,27 +106,13 @@ class SampledToken:
 
 
 def check_params(params: shard_pb2.SamplingParams, vocab_size: int) -> None:
-    """Raises ValueError naming the field when `params` cannot be sampled.
+    """Raises ValueError naming the field when `params` reaches past this
+    model's vocabulary, which would fail the whole step's tensors instead of
+    one request.
 
-    The router validates requests first; this is the shard's own guard, so a
-    bad value that slipped through fails one request instead of a step.
+    Sampling ranges are not checked here: the router checks them, once (see
+    the module docstring).
     """
-
-    def finite(name: str, value: float) -> None:
-        if not math.isfinite(value):
-            raise ValueError(f"sampling parameter {name} must be finite, got {value}")
-
-    for name in ("temperature", "top_p", "min_p", "typical_p", "repetition_penalty",
-                 "frequency_penalty", "presence_penalty"):
-        finite(name, getattr(params, name))
-    if params.temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {params.temperature}")
-    for name in ("top_p", "min_p", "typical_p"):
-        value = getattr(params, name)
-        if not 0.0 <= value <= 1.0:
-            raise ValueError(f"{name} must be in [0, 1], got {value}")
-    if params.repetition_penalty < 0:
-        raise ValueError(f"repetition_penalty must be > 0, got {params.repetition_penalty}")
     if params.top_n_tokens > vocab_size:
         raise ValueError(f"top_n_tokens {params.top_n_tokens} exceeds the vocabulary size {vocab_size}")
     for bias in params.logit_bias:
@@ -129,7 +120,6 @@ def check_params(params: shard_pb2.SamplingParams, vocab_size: int) -> None:
             raise ValueError(
                 f"logit_bias token id {bias.token_id} is outside the vocabulary (size {vocab_size})"
             )
-        finite("logit_bias", bias.bias)
 
 
 def sample(

@@ -1,5 +1,5 @@
 //! `sluice-router`: the HTTP front of Sluice. The code lives in the
 //! `sluice_router` library; this is its entry point.
 fn main() -> std::process::ExitCode {
-    sluice_router::cli::main()
+    sluice_router::main()
 }

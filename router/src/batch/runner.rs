@@ -167,8 +167,8 @@ impl Runner {
                 self.store.finalize(id, BatchStatus::Expired, now).await?;
             }
             BatchStatus::InProgress => {
-                let idle = !self.in_flight.get(&id).is_some_and(|lines| !lines.is_empty())
-                    && !self.queued.iter().any(|(b, _, _)| *b == id);
+                let running = self.in_flight.get(&id).is_some_and(|lines| !lines.is_empty());
+                let idle = !running && !self.queued.iter().any(|(b, _, _)| *b == id);
                 if idle && self.store.all_done(id.clone()).await? {
                     self.store.transition(id.clone(), &[BatchStatus::InProgress], BatchStatus::Finalizing, now).await?;
                     self.finish(id, BatchStatus::Completed, now).await?;

@@ -78,11 +78,6 @@ impl BatchStatus {
         .into_iter()
         .find(|s| s.name() == name)
     }
-
-    /// Nothing more happens to a batch in this state.
-    pub fn is_terminal(self) -> bool {
-        matches!(self, Self::Completed | Self::Failed | Self::Expired | Self::Cancelled)
-    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]

@@ -157,13 +157,16 @@ impl GrammarCompiler {
 }
 
 impl GrammarCompiler {
-    /// A matcher for a compiled grammar (what the shard runs; the fake
-    /// shard of the tests runs it here).
+    /// A matcher for a compiled grammar: what the shard runs, and the fake
+    /// shard of the tests runs here.
+    #[cfg(any(test, feature = "testing"))]
     pub fn matcher(&self, grammar: &str) -> Result<llguidance::Matcher, String> {
         let grammar: TopLevelGrammar = serde_json::from_str(grammar).map_err(|e| e.to_string())?;
         Ok(llguidance::Matcher::new(self.factory.create_parser(grammar)))
     }
 
+    /// The tokenizer's token trie (the fake shard of the tests reads it).
+    #[cfg(any(test, feature = "testing"))]
     pub fn tok_env(&self) -> &TokEnv {
         self.factory.tok_env()
     }

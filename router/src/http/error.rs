@@ -431,18 +431,18 @@ mod tests {
     use super::*;
 
     #[derive(Debug, serde::Deserialize)]
-    #[allow(dead_code)]
     struct Body {
         messages: Vec<Message>,
     }
     #[derive(Debug, serde::Deserialize)]
-    #[allow(dead_code)]
     struct Message {
         content: String,
     }
 
     #[test]
     fn json_errors_name_the_field() {
+        let body = parse_json::<Body>(br#"{"messages": [{"content": "hi"}]}"#).unwrap();
+        assert_eq!(body.messages[0].content, "hi");
         let err = parse_json::<Body>(br#"{"messages": [{"content": 3}]}"#).unwrap_err();
         let body = err.openai_body();
         assert_eq!(body.error.param.as_deref(), Some("messages[0].content"));
@@ -453,14 +453,12 @@ mod tests {
     }
 
     #[derive(Debug, serde::Deserialize)]
-    #[allow(dead_code)]
     struct Flattened {
         model: String,
         #[serde(flatten)]
         sampling: Sampling,
     }
     #[derive(Debug, serde::Deserialize)]
-    #[allow(dead_code)]
     struct Sampling {
         temperature: Option<f32>,
         top_p: Option<f32>,
@@ -468,6 +466,8 @@ mod tests {
 
     #[test]
     fn flattened_field_errors_name_the_field() {
+        let ok = parse_json::<Flattened>(br#"{"model": "m", "top_p": 0.5}"#).unwrap();
+        assert_eq!((ok.model.as_str(), ok.sampling.temperature, ok.sampling.top_p), ("m", None, Some(0.5)));
         let err = parse_json::<Flattened>(br#"{"model": "m", "temperature": "hot", "top_p": 1}"#).unwrap_err();
         let body = err.openai_body();
         assert_eq!(body.error.param.as_deref(), Some("temperature"));

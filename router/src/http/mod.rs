@@ -356,7 +356,8 @@ pub struct TokenizeRequest {
     pub inputs: String,
     /// Accepted for TGI compatibility; ignored.
     #[schema(value_type = Option<Object>)]
-    pub parameters: Option<serde_json::Value>,
+    #[serde(rename = "parameters")]
+    pub _parameters: Option<serde_json::Value>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]

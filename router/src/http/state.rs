@@ -27,6 +27,9 @@ pub struct Info {
     pub max_stop_sequences: u32,
     pub max_top_n_tokens: u32,
     pub max_batch_total_tokens: u32,
+    /// The step's token budget (`--max-batch-prefill-tokens`, TGI's name):
+    /// tokens computed per step, summed over requests; a prefill chunk
+    /// counts its tokens, a decode 1, a draft token 1.
     pub max_batch_prefill_tokens: u32,
     pub max_batch_size: u32,
     pub block_size: u32,

@@ -115,13 +115,11 @@ impl KvCache {
     }
 
     // Used by the invariant checks, which run where debug assertions are on.
-    #[cfg_attr(not(debug_assertions), allow(dead_code))]
     pub fn ref_count(&self, block: BlockId) -> u32 {
         self.alloc.ref_count(block)
     }
 
     // Used by the invariant checks, which run where debug assertions are on.
-    #[cfg_attr(not(debug_assertions), allow(dead_code))]
     pub fn is_cached(&self, block: BlockId) -> bool {
         self.tree.as_ref().is_some_and(|t| t.contains_block(block))
     }
@@ -193,7 +191,6 @@ impl KvCache {
 
     /// `tables`: the block table of every running request. Call after
     /// [`Self::reclaim`]. Runs where debug assertions are on.
-    #[cfg_attr(not(debug_assertions), allow(dead_code))]
     pub fn check_invariants<'a>(&self, tables: impl Iterator<Item = &'a [BlockId]>) {
         assert!(self.returns.lock().unwrap_or_else(|e| e.into_inner()).is_empty(), "returned blocks not reclaimed");
         self.alloc.check_invariants();

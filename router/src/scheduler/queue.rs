@@ -25,13 +25,16 @@ use crate::infer::RequestClass;
 pub(crate) const MAX_PASSED_OVER: u32 = 8;
 const WINDOW: usize = 256;
 
+/// A waiting request's place in admission order, smallest first.
+type Rank = (RequestClass, i32, u8, Reverse<usize>);
+
 pub(crate) fn admission_order<'a>(waiting: impl Iterator<Item = &'a Request>, kv: &KvCache) -> Vec<u64> {
     let mut candidates: Vec<&Request> = waiting.collect();
     // Stable: queue order survives among equals (ids grow with arrival, but
     // a resumed request keeps its old id, so the key cannot be the id).
     candidates.sort_by_key(|r| (r.class(), r.request.priority));
     candidates.truncate(WINDOW);
-    let mut ranked: Vec<((RequestClass, i32, u8, Reverse<usize>), u64)> = candidates
+    let mut ranked: Vec<(Rank, u64)> = candidates
         .into_iter()
         .map(|r| {
             let rank = if r.resumed {

@@ -161,11 +161,6 @@ impl FakeShardHandle {
         self.state.lock().unwrap().violations.clone()
     }
 
-    /// Requests whose state the shard holds.
-    pub fn live_requests(&self) -> usize {
-        self.state.lock().unwrap().requests.len()
-    }
-
     /// The next `n` steps fail as a whole (the RPC errors) without touching
     /// shard state.
     pub fn fail_next_steps(&self, n: u32) {

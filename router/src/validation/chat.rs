@@ -30,8 +30,6 @@ pub struct ValidChat {
     pub prompt: Validated,
     /// With a reasoning parser: how this prompt's output is read.
     pub reasoning: Option<PromptReasoning>,
-    /// The rendered prompt (the Responses API and tests read it).
-    pub rendered: String,
 }
 
 impl Validation {
@@ -53,8 +51,8 @@ impl Validation {
             }
             (_, constraint) => constraint,
         };
-        let mut prompts = self.validate_prompts(&[Prompt::Chat(rendered.clone())], "messages", &params)?;
-        Ok(ValidChat { prompt: prompts.remove(0), reasoning, rendered })
+        let mut prompts = self.validate_prompts(&[Prompt::Chat(rendered)], "messages", &params)?;
+        Ok(ValidChat { prompt: prompts.remove(0), reasoning })
     }
 }
 

@@ -44,10 +44,8 @@ mod sampling;
 pub(crate) mod tests;
 mod validate;
 
-pub use chat::{ChatInput, ValidChat};
-pub use constraints::{one_constraint, ValidTools};
+pub use chat::ChatInput;
+pub use constraints::ValidTools;
 pub use error::ValidationError;
 pub use params::{Decoding, GenerateParameters, GenerationDefaults, Prompt, RequestLimits, ToolRequest};
-pub use request::MAX_STOP_BYTES;
-pub use sampling::MAX_LOGIT_BIAS;
 pub use validate::{Validated, Validation};

@@ -9,7 +9,7 @@ use crate::chat_template::{ChatTemplateError, TemplateKwargs, TemplateMessage};
 use crate::tool_calls::FunctionDefinition;
 
 impl Validation {
-    #[tracing::instrument(level = "debug", name = "render_chat", skip_all)]
+    #[cfg(test)]
     pub fn render_chat(&self, messages: &[TemplateMessage]) -> Result<String, ValidationError> {
         if messages.is_empty() {
             return Err(ValidationError::Empty {

@@ -1,6 +1,8 @@
 use std::sync::Arc;
 
 use super::*;
+use super::request::MAX_STOP_BYTES;
+use super::sampling::MAX_LOGIT_BIAS;
 use crate::chat_template::{ChatTemplate, TemplateMessage};
 use crate::grammar::{Constraint, GrammarCompiler};
 use crate::tool_calls::{FunctionDefinition, ToolChoice, ToolFormat};

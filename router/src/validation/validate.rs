@@ -104,7 +104,9 @@ impl Validation {
     }
 
     /// Checks lengths and every parameter; `input_field` names the prompt
-    /// field in messages ("prompt", "messages", "inputs").
+    /// field in messages ("prompt", "messages", "inputs"). The tests' way
+    /// in; requests come through `validate_prompts`.
+    #[cfg(test)]
     pub fn validate(
         &self,
         input_ids: Vec<u32>,

@@ -1,6 +1,9 @@
 //! Helpers shared by the scheduler tests: a scheduler on a `FakeShard`, and
 //! a client that reads a request's whole event stream.
-#![allow(dead_code)]
+//!
+//! Each test binary declares this module `pub` (`pub mod scheduler_support`):
+//! it is a small library of which every binary uses a part, and every helper
+//! is used by at least one of them.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -32,12 +32,14 @@ pub struct MessagesRequest {
     /// `{"type": "enabled", "budget_tokens": N}` or `{"type": "disabled"}`:
     /// the chat template's `enable_thinking`.
     pub thinking: Option<Thinking>,
-    pub metadata: Option<Metadata>,
+    #[serde(rename = "metadata")]
+    pub _metadata: Option<Metadata>,
     /// Only `auto` and `standard_only`.
     pub service_tier: Option<String>,
     /// Accepted: the prefix cache reuses repeated prompts by itself.
     #[schema(value_type = Option<Object>)]
-    pub cache_control: Option<Value>,
+    #[serde(rename = "cache_control")]
+    pub _cache_control: Option<Value>,
 }
 
 /// `POST /v1/messages/count_tokens`.
@@ -70,7 +72,8 @@ pub struct Tool {
     #[schema(value_type = Object)]
     pub input_schema: Value,
     #[schema(value_type = Option<Object>)]
-    pub cache_control: Option<Value>,
+    #[serde(rename = "cache_control")]
+    pub _cache_control: Option<Value>,
 }
 
 #[derive(Debug, Clone, Deserialize, ToSchema)]
@@ -97,7 +100,8 @@ pub struct Thinking {
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Metadata {
-    pub user_id: Option<String>,
+    #[serde(rename = "user_id")]
+    pub _user_id: Option<String>,
 }
 
 /// One message of `messages`.
@@ -114,44 +118,50 @@ pub struct TextBlock {
     #[serde(rename = "type")]
     pub kind: String,
     pub text: String,
-    pub cache_control: Option<Value>,
+    #[serde(rename = "cache_control")]
+    pub _cache_control: Option<Value>,
     /// An earlier answer's citations, sent back: nothing to act on.
-    pub citations: Option<Value>,
+    #[serde(rename = "citations")]
+    pub _citations: Option<Value>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ToolUseBlock {
     #[serde(rename = "type")]
-    pub kind: String,
+    pub _kind: String,
     pub id: String,
     pub name: String,
     pub input: Value,
-    pub cache_control: Option<Value>,
+    #[serde(rename = "cache_control")]
+    pub _cache_control: Option<Value>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ToolResultBlock {
     #[serde(rename = "type")]
-    pub kind: String,
+    pub _kind: String,
     pub tool_use_id: String,
     /// A string or text blocks.
     #[serde(default)]
     pub content: Option<Value>,
     pub is_error: Option<bool>,
-    pub cache_control: Option<Value>,
+    #[serde(rename = "cache_control")]
+    pub _cache_control: Option<Value>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ThinkingBlock {
     #[serde(rename = "type")]
-    pub kind: String,
+    pub _kind: String,
     pub thinking: String,
     /// Returned empty by Sluice; whatever comes back is not checked.
-    pub signature: Option<String>,
-    pub cache_control: Option<Value>,
+    #[serde(rename = "signature")]
+    pub _signature: Option<String>,
+    #[serde(rename = "cache_control")]
+    pub _cache_control: Option<Value>,
 }
 
 /// A block of the answer.

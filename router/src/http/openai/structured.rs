@@ -38,12 +38,15 @@ pub struct ResponseFormat {
 
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct JsonSchemaFormat {
-    pub name: Option<String>,
-    pub description: Option<String>,
+    #[serde(rename = "name")]
+    pub _name: Option<String>,
+    #[serde(rename = "description")]
+    pub _description: Option<String>,
     #[schema(value_type = Option<Object>)]
     pub schema: Option<Value>,
     /// Accepted: the output always follows the schema.
-    pub strict: Option<bool>,
+    #[serde(rename = "strict")]
+    pub _strict: Option<bool>,
 }
 
 /// vLLM's `structured_outputs` object.
@@ -70,9 +73,11 @@ pub struct GuidedFields {
     /// A Lark (llguidance dialect) or GBNF grammar.
     pub guided_grammar: Option<String>,
     /// Accepted and ignored: llguidance is the one backend.
-    pub guided_decoding_backend: Option<String>,
+    #[serde(rename = "guided_decoding_backend")]
+    pub _guided_decoding_backend: Option<String>,
     /// Accepted and ignored: JSON is generated compactly.
-    pub guided_whitespace_pattern: Option<String>,
+    #[serde(rename = "guided_whitespace_pattern")]
+    pub _guided_whitespace_pattern: Option<String>,
     pub structured_outputs: Option<StructuredOutputs>,
 }
 

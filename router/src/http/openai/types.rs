@@ -49,7 +49,8 @@ pub struct SamplingFields {
     pub logit_bias: Option<HashMap<String, f32>>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
-    pub user: Option<String>,
+    #[serde(rename = "user")]
+    pub _user: Option<String>,
     /// vLLM extra: -1 or 0 disables.
     pub top_k: Option<i64>,
     /// vLLM extra: in [0, 1].

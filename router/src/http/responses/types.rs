@@ -104,12 +104,14 @@ pub struct ReasoningOptions {
 #[serde(deny_unknown_fields)]
 pub struct InputMessage {
     #[serde(rename = "type")]
-    pub kind: Option<String>,
+    pub _kind: Option<String>,
     pub role: String,
     #[serde(default)]
-    pub id: Option<String>,
+    #[serde(rename = "id")]
+    pub _id: Option<String>,
     #[serde(default)]
-    pub status: Option<String>,
+    #[serde(rename = "status")]
+    pub _status: Option<String>,
     pub content: MessageContent,
 }
 
@@ -128,9 +130,11 @@ pub struct ContentPart {
     pub text: Option<String>,
     /// Set on earlier `output_text` parts; nothing to do with them.
     #[serde(default)]
-    pub annotations: Option<Vec<Value>>,
+    #[serde(rename = "annotations")]
+    pub _annotations: Option<Vec<Value>>,
     #[serde(default)]
-    pub logprobs: Option<Vec<Value>>,
+    #[serde(rename = "logprobs")]
+    pub _logprobs: Option<Vec<Value>>,
 }
 
 /// A `function_call` item of `input` (an earlier call of the model).
@@ -138,15 +142,17 @@ pub struct ContentPart {
 #[serde(deny_unknown_fields)]
 pub struct InputFunctionCall {
     #[serde(rename = "type")]
-    pub kind: String,
+    pub _kind: String,
     pub call_id: String,
     pub name: String,
     /// The arguments as a JSON string.
     pub arguments: String,
     #[serde(default)]
-    pub id: Option<String>,
+    #[serde(rename = "id")]
+    pub _id: Option<String>,
     #[serde(default)]
-    pub status: Option<String>,
+    #[serde(rename = "status")]
+    pub _status: Option<String>,
 }
 
 /// A `function_call_output` item of `input` (the client's result of a call).
@@ -154,13 +160,15 @@ pub struct InputFunctionCall {
 #[serde(deny_unknown_fields)]
 pub struct InputFunctionOutput {
     #[serde(rename = "type")]
-    pub kind: String,
+    pub _kind: String,
     pub call_id: String,
     pub output: String,
     #[serde(default)]
-    pub id: Option<String>,
+    #[serde(rename = "id")]
+    pub _id: Option<String>,
     #[serde(default)]
-    pub status: Option<String>,
+    #[serde(rename = "status")]
+    pub _status: Option<String>,
 }
 
 /// A `reasoning` item of `input` (an earlier response's thinking).
@@ -168,15 +176,18 @@ pub struct InputFunctionOutput {
 #[serde(deny_unknown_fields)]
 pub struct InputReasoning {
     #[serde(rename = "type")]
-    pub kind: String,
+    pub _kind: String,
     #[serde(default)]
-    pub id: Option<String>,
+    #[serde(rename = "id")]
+    pub _id: Option<String>,
     #[serde(default)]
-    pub summary: Vec<Value>,
+    #[serde(rename = "summary")]
+    pub _summary: Vec<Value>,
     #[serde(default)]
     pub content: Option<Vec<ContentPart>>,
     #[serde(default)]
-    pub status: Option<String>,
+    #[serde(rename = "status")]
+    pub _status: Option<String>,
     /// Sluice returns none and reads none: only null.
     #[serde(default)]
     pub encrypted_content: Option<String>,
