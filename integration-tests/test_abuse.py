@@ -484,11 +484,13 @@ def closed_by_server(sock: socket.socket) -> bool:
     return False
 
 
-def trickle_until_closed(sockets: list[socket.socket], bound_s: float) -> list[float | None]:
+def trickle_until_closed(sockets: list[socket.socket], bound_s: float,
+                         started: float | None = None) -> list[float | None]:
     """Sends one header line on every socket the server still holds open,
     every 0.25 s (a slowloris client), until all are closed or `bound_s`
-    passes. Returns when each was closed (None: never)."""
-    started = time.monotonic()
+    passes since `started` (time.monotonic(); default: now). Returns when
+    each was closed, in seconds since `started` (None: never)."""
+    started = time.monotonic() if started is None else started
     closed_at: list[float | None] = [None] * len(sockets)
     while None in closed_at and time.monotonic() - started < bound_s:
         for i, sock in enumerate(sockets):
@@ -526,17 +528,22 @@ def test_slow_and_numerous_clients_are_cut_off_and_others_served(tiny_model_dir,
     --header-timeout, a body that stops arriving gets 408 at --body-timeout,
     connections past --max-connections get 503 and are closed at once, and
     through all of it the server keeps answering other clients."""
-    server = start_launcher("--model-id", str(tiny_model_dir), "--header-timeout", "3", "--body-timeout", "3",
-                            "--max-connections", "24", tmp=tmp_path)
+    timeout_s = 3
+    server = start_launcher("--model-id", str(tiny_model_dir), "--header-timeout", str(timeout_s),
+                            "--body-timeout", str(timeout_s), "--max-connections", "24", tmp=tmp_path)
     slow: list[socket.socket] = []
     try:
         with HealthWatch(server.base_url) as watch:
+            opened = time.monotonic()
             for _ in range(16):
                 sock = open_socket(server)
                 sock.sendall(b"POST /generate HTTP/1.1\r\nhost: 127.0.0.1\r\n")
                 slow.append(sock)
-            closed_at = trickle_until_closed(slow, FAULT_BOUND_S)
-            assert None not in closed_at, f"{closed_at.count(None)} slowloris connections were never closed"
+            # Cut by the header timeout: not before it, and long before
+            # the trickle would end on its own (it never does).
+            closed_at = trickle_until_closed(slow, timeout_s + 30, started=opened)
+            assert None not in closed_at, f"{closed_at.count(None)} slowloris connections were not closed in {timeout_s + 30}s"
+            assert min(closed_at) >= timeout_s - 0.1, f"a slowloris connection was cut before --header-timeout: {closed_at}"
             # Another client is served meanwhile.
             body = {"inputs": "The sea", "parameters": {"max_new_tokens": 3}}
             assert httpx.post(f"{server.base_url}/generate", json=body, timeout=FAULT_BOUND_S).status_code == 200
