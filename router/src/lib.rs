@@ -50,12 +50,7 @@
 //! what the launcher's binaries (launcher/src), the scheduler's integration
 //! tests (router/tests) and the launcher's tests use, and nothing else.
 
-pub mod pb {
-    //! Generated from proto/sluice/v1/shard.proto by build.rs: the shard
-    //! protocol, public for the launcher's health probe and for stand-in
-    //! shards in tests.
-    tonic::include_proto!("sluice.v1");
-}
+pub mod pb;
 
 /// The contract between the HTTP side and the scheduler: submit a
 /// `ValidRequest`, read `InferEvent`s back.
