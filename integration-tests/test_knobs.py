@@ -33,6 +33,9 @@ NOT_SETTINGS = {
     # beside it (launcher/src/exe.rs): development and the supervision tests.
     "SLUICE_SERVER_BIN": "program location override",
     "SLUICE_ROUTER_BIN": "program location override",
+    # Which launcher the benchmark scripts start (server/sluice_bench/launch.py),
+    # a setting of the benchmarks, not of the server.
+    "SLUICE_LAUNCHER_BIN": "program location override",
     # A C preprocessor macro of the CPU kernels, not an environment variable.
     "SLUICE_X86": "C macro",
 }
