@@ -65,7 +65,13 @@ import numpy as np
 
 from sluice_server.gguf_gpt_oss import ARCH as GPT_OSS_ARCH, write_gpt_oss_folder
 from sluice_server.gguf_header import GGML_QUANT_SIZES, GGUFFormatError, GGUFHeader, read_header, tensor_bytes
-from sluice_server.model_folder import SOURCE_FILE, ModelResolutionError, check_model_folder, progress
+from sluice_server.model_folder import (
+    SOURCE_FILE,
+    ModelResolutionError,
+    check_model_folder,
+    progress,
+    write_weight_index,
+)
 
 
 # Part of the folder key: a change to what a converted folder holds converts again.
@@ -374,10 +380,7 @@ def write_mixtral_folder(gguf_path: Path, header: GGUFHeader, folder: Path, toke
     )
     files = _write_mixtral_weights(gguf_path, header, folder, {"q": heads, "k": kv_heads})
     config.save_pretrained(folder)
-    weight_map = {name: file for file, names in files.items() for name in names}
-    (folder / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2) + "\n"
-    )
+    write_weight_index(folder, files)
     return config
 
 
@@ -389,15 +392,8 @@ def _write_mixtral_weights(gguf_path: Path, header: GGUFHeader, folder: Path, he
     from gguf.quants import dequantize
     from safetensors.torch import save_file
 
-    groups: dict[str, dict[str, object]] = {}
-    for t in header.tensors:
-        if t.name in MIXTRAL_SKIPPED:
-            continue
-        parts = t.name.split(".", 2)
-        group = f"layer-{int(parts[1]):05d}" if parts[0] == "blk" else "rest"
-        groups.setdefault(group, {})[t.name] = t
     files: dict[str, list[str]] = {}
-    for group, members in sorted(groups.items()):
+    for group, members in header.by_layer(MIXTRAL_SKIPPED):
         out: dict[str, torch.Tensor] = {}
         for name, t in members.items():
             raw = np.array(tensor_bytes(gguf_path, t))

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from sluice_server.gguf_header import GGUFHeader, tensor_bytes
-from sluice_server.model_folder import ModelResolutionError
+from sluice_server.model_folder import ModelResolutionError, write_weight_index
 
 ARCH = "gpt-oss"
 
@@ -125,25 +125,15 @@ def write_gpt_oss_folder(gguf_path: Path, header: GGUFHeader, folder: Path, toke
     config = gpt_oss_config(header, tensors["token_embd.weight"].shape[1], tokenizer)
     files = _write_weights(gguf_path, header, folder)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    weight_map = {name: file for file, names in files.items() for name in names}
-    (folder / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2) + "\n"
-    )
+    write_weight_index(folder, files)
     return config
 
 
 def _write_weights(gguf_path: Path, header: GGUFHeader, folder: Path) -> dict[str, list[str]]:
     from safetensors.torch import save_file
 
-    groups: dict[str, dict] = {}
-    for t in header.tensors:
-        if t.name in SKIPPED:
-            continue
-        parts = t.name.split(".", 2)
-        group = f"layer-{int(parts[1]):05d}" if parts[0] == "blk" else "rest"
-        groups.setdefault(group, {})[t.name] = t
     files: dict[str, list[str]] = {}
-    for group, members in sorted(groups.items()):
+    for group, members in header.by_layer(SKIPPED):
         out = {}
         if group == "rest":
             for name, t in members.items():

@@ -73,6 +73,19 @@ class GGUFHeader:
     def architecture(self) -> str | None:
         return self.metadata.get("general.architecture")
 
+    def by_layer(self, skipped: tuple[str, ...] = ()) -> list[tuple[str, dict[str, GGUFTensor]]]:
+        """The tensors not in `skipped`, grouped as a converter writes them a
+        file at a time: "layer-NNNNN" for each `blk.N.*`, "rest" for the
+        others; groups in name order, tensors in file order."""
+        groups: dict[str, dict[str, GGUFTensor]] = {}
+        for t in self.tensors:
+            if t.name in skipped:
+                continue
+            parts = t.name.split(".", 2)
+            group = f"layer-{int(parts[1]):05d}" if parts[0] == "blk" else "rest"
+            groups.setdefault(group, {})[t.name] = t
+        return sorted(groups.items())
+
 
 class _Cursor:
     def __init__(self, buf, path: Path):

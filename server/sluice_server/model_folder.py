@@ -16,6 +16,7 @@ other.
 from __future__ import annotations
 
 import fnmatch
+import json
 import sys
 from pathlib import Path
 from typing import Iterable
@@ -63,3 +64,11 @@ def progress(message: str) -> None:
     """Download and conversion progress goes to stderr: stdout belongs to the
     caller (the CLI prints the resolved folder there)."""
     print(f"[sluice download] {message}", file=sys.stderr, flush=True)
+
+
+def write_weight_index(folder: Path, files: dict[str, list[str]]) -> None:
+    """model.safetensors.index.json for weights written as {file: tensor names}."""
+    weight_map = {name: file for file, names in files.items() for name in names}
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2) + "\n"
+    )
