@@ -42,9 +42,8 @@ from torch import nn
 
 from sluice_server.layers.linear import ColumnParallelLinear, RowParallelLinear
 from sluice_server.layers.lora import KERNELS, LoraContext, LoraSegments, LoraWeights
-
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
+from sluice_server.model_folder import ADAPTER_CONFIG_FILE as CONFIG_FILE
+from sluice_server.model_folder import ADAPTER_WEIGHTS_FILE as WEIGHTS_FILE
 # PEFT's module names that an adapter may target here.
 SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Our layers that hold them (after the model's packed_modules mapping).

@@ -14,6 +14,11 @@
     sluice-server download-weights MODEL_ID [--revision REV] [--huggingface-hub-cache DIR]
         Resolves a Hub id, local folder or .gguf file to a local model folder
         and prints that folder as the last line of stdout.
+
+    sluice-server download-adapter ORG/NAME [--revision REV] [--huggingface-hub-cache DIR]
+        Fetches a LoRA adapter (adapter_config.json, adapter_model.safetensors)
+        from the Hub, or finds it in the cache with HF_HUB_OFFLINE=1, and prints
+        its snapshot folder as the last line of stdout.
 """
 
 from __future__ import annotations
@@ -112,11 +117,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
     dl = sub.add_parser("download-weights", help="resolve a model and print its local folder")
     dl.add_argument("model_id")
-    dl.add_argument("--revision", default=None)
-    dl.add_argument("--huggingface-hub-cache", default=None)
-    dl.add_argument("--json-output", action="store_true")
-    dl.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "info"))
+    add_download_flags(dl)
+    adapter = sub.add_parser("download-adapter", help="fetch a LoRA adapter from the Hub and print its local folder")
+    adapter.add_argument("repo_id", metavar="ORG/NAME")
+    add_download_flags(adapter)
     return parser.parse_args(argv)
+
+
+def add_download_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--revision", default=None)
+    parser.add_argument("--huggingface-hub-cache", default=None)
+    parser.add_argument("--json-output", action="store_true")
+    parser.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "info"))
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -239,6 +251,15 @@ def download_weights(args: argparse.Namespace) -> int:
     return 0
 
 
+def download_adapter(args: argparse.Namespace) -> int:
+    from sluice_server.download import resolve_adapter
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    folder = resolve_adapter(args.repo_id, revision=args.revision, cache_dir=args.huggingface_hub_cache)
+    print(folder, flush=True)
+    return 0
+
+
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
@@ -249,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return asyncio.run(serve(args))
+        if args.command == "download-adapter":
+            return download_adapter(args)
         return download_weights(args)
     except KeyboardInterrupt as e:
         log.info("%s interrupted (%s)", args.command, e or "SIGINT")

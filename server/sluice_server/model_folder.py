@@ -11,6 +11,12 @@ other.
         tokenizer.json, generation_config.json, chat_template.jinja, ...
         gguf_source.json         only in a folder converted from a .gguf:
                                  {"gguf": path of the .gguf} (layers.gguf_weights)
+
+A LoRA adapter folder (PEFT's layout; `adapters` reads it on the shard):
+
+    <folder>/
+        adapter_config.json         required
+        adapter_model.safetensors   required (adapter_model.bin is refused)
 """
 
 from __future__ import annotations
@@ -25,6 +31,9 @@ from typing import Iterable
 SOURCE_FILE = "gguf_source.json"
 
 PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
+
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 
 
 class ModelResolutionError(Exception):

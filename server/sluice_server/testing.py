@@ -299,3 +299,32 @@ def make_lora_adapter(
                 p.copy_(torch.randn(p.shape, generator=generator) * b_std)
     adapted.save_pretrained(folder)
     return folder
+
+
+def add_to_hub_cache(folder: Path, cache: Path, repo_id: str, commit: str, refs: tuple[str, ...] = ("main",)) -> Path:
+    """Puts the files of `folder` into the Hub cache `cache` the way
+    huggingface_hub stores a download, as revision `commit` of `repo_id`
+    (and of each ref), so that HF_HUB_OFFLINE=1 finds them; returns the
+    snapshot folder:
+
+        <cache>/models--ORG--NAME/blobs/<sha256>                the bytes
+        <cache>/models--ORG--NAME/snapshots/<commit>/<file>     -> ../../blobs/<sha256>
+        <cache>/models--ORG--NAME/refs/<ref>                    "<commit>"
+    """
+    import hashlib
+    import os
+
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for file in sorted(p for p in folder.iterdir() if p.is_file()):
+        data = file.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snapshot / file.name).unlink(missing_ok=True)
+        os.symlink(os.path.relpath(blob, snapshot), snapshot / file.name)
+    (repo / "refs").mkdir(exist_ok=True)
+    for ref in refs:
+        (repo / "refs" / ref).write_text(commit)
+    return snapshot

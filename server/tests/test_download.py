@@ -1,6 +1,7 @@
 """Model resolution: local folders, the Hugging Face Hub cache (offline, the
 real snapshot_download code path), refusal of pickled weights, and .gguf
-conversion (cached, atomic)."""
+conversion (cached, atomic). LoRA adapters from the Hub cache (a peft
+adapter over a tiny random Llama), and the download-adapter command."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from sluice_server import download
-from sluice_server.download import ModelResolutionError, bundled_model_path, resolve_model
+from sluice_server.download import ModelResolutionError, bundled_model_path, resolve_adapter, resolve_model
 from sluice_server.gguf_convert import converted_folder
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -226,6 +227,106 @@ def test_unsupported_model_type_is_refused_offline(offline_cache):
     (snapshot / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ModelResolutionError, match="model_type 'gpt2' is not supported"):
         resolve_model("acme/gpt")
+
+
+# --- LoRA adapters from the Hub cache, offline ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory) -> dict[str, Path]:
+    """A tiny random Llama and two peft adapters over it (different seeds)."""
+    from sluice_server.testing import make_lora_adapter, make_tiny_model
+
+    root = tmp_path_factory.mktemp("hub-adapters")
+    base = make_tiny_model(root / "base", "llama", seed=3)
+    return {
+        "base": base,
+        "one": make_lora_adapter(base, root / "one", seed=31, r=4),
+        "two": make_lora_adapter(base, root / "two", seed=32, r=8, target_modules=("o_proj", "down_proj")),
+    }
+
+
+def test_adapter_resolves_to_its_cached_snapshot_offline(offline_cache, adapters):
+    from sluice_server.testing import add_to_hub_cache
+
+    snapshot = add_to_hub_cache(adapters["one"], offline_cache, "acme/sql-lora", COMMIT)
+    folder = resolve_adapter("acme/sql-lora")
+    assert folder == snapshot
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (folder / name).read_bytes() == (adapters["one"] / name).read_bytes()
+
+
+def test_adapter_revision_selects_a_ref_or_a_commit(offline_cache, adapters):
+    from sluice_server.testing import add_to_hub_cache
+
+    main = add_to_hub_cache(adapters["one"], offline_cache, "acme/sql-lora", COMMIT)
+    tagged = add_to_hub_cache(adapters["two"], offline_cache, "acme/sql-lora", OTHER_COMMIT, refs=("v2",))
+    assert resolve_adapter("acme/sql-lora") == main
+    assert resolve_adapter("acme/sql-lora", revision="v2") == tagged
+    assert resolve_adapter("acme/sql-lora", revision=OTHER_COMMIT) == tagged
+    assert json.loads((tagged / "adapter_config.json").read_text())["r"] == 8
+
+
+def test_adapter_cache_dir_argument_overrides_the_environment(offline_cache, adapters, tmp_path):
+    from sluice_server.testing import add_to_hub_cache
+
+    snapshot = add_to_hub_cache(adapters["one"], tmp_path / "flag-cache", "acme/sql-lora", COMMIT)
+    assert resolve_adapter("acme/sql-lora", cache_dir=str(tmp_path / "flag-cache")) == snapshot
+    with pytest.raises(ModelResolutionError, match="acme/sql-lora is not in the Hub cache .*HF_HUB_OFFLINE=1"):
+        resolve_adapter("acme/sql-lora")
+
+
+def test_the_shard_reads_an_adapter_from_the_hub_cache(offline_cache, adapters):
+    """The snapshot's files are links into blobs/, outside the snapshot
+    folder the launcher allows: the shard follows them (only the folder
+    itself must lie inside an allowed one)."""
+    from sluice_server.model_runner import ModelRunner
+    from sluice_server.testing import add_to_hub_cache
+
+    add_to_hub_cache(adapters["two"], offline_cache, "acme/sql-lora", COMMIT)
+    folder = resolve_adapter("acme/sql-lora")
+    assert (folder / "adapter_model.safetensors").is_symlink()
+    runner = ModelRunner(adapters["base"], dtype="float32", block_size=4, max_loras=1, max_lora_rank=8,
+                         lora_roots=[folder])
+    read = runner.adapters.read(str(folder))
+    assert (read.rank, read.target_modules) == (8, ["down_proj", "o_proj"])
+
+
+def test_a_model_repo_is_not_an_adapter(offline_cache):
+    make_hub_cache(offline_cache, "acme/tiny-llama")
+    with pytest.raises(ModelResolutionError, match="acme/tiny-llama has no adapter_config.json: not a PEFT adapter"):
+        resolve_adapter("acme/tiny-llama")
+
+
+def test_a_pickled_adapter_is_refused(offline_cache, adapters, tmp_path):
+    from sluice_server.testing import add_to_hub_cache
+
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "adapter_config.json").write_bytes((adapters["one"] / "adapter_config.json").read_bytes())
+    (pickled / "adapter_model.bin").write_bytes(b"pickle")
+    add_to_hub_cache(pickled, offline_cache, "acme/old-lora", COMMIT)
+    with pytest.raises(ModelResolutionError, match="acme/old-lora has no adapter_model.safetensors; only safetensors"):
+        resolve_adapter("acme/old-lora")
+
+
+@pytest.mark.parametrize("repo_id", ["sql-lora", "a/b/c", "org/name with space", "-bad/name", "/abs/path"])
+def test_an_adapter_id_must_be_org_slash_name(repo_id, offline_cache):
+    with pytest.raises(ModelResolutionError, match="is not a Hugging Face Hub id"):
+        resolve_adapter(repo_id)
+
+
+def test_download_adapter_prints_the_folder_last(offline_cache, adapters, capsys):
+    from sluice_server.cli import main
+    from sluice_server.testing import add_to_hub_cache
+
+    snapshot = add_to_hub_cache(adapters["one"], offline_cache, "acme/sql-lora", COMMIT, refs=("main", "v1"))
+    assert main(["download-adapter", "acme/sql-lora", "--revision", "v1"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == str(snapshot)
+    # Failure: exit 1, nothing on stdout, one line naming the repository on stderr.
+    assert main(["download-adapter", "acme/missing-lora"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and "acme/missing-lora is not in the Hub cache" in err and "Traceback" not in err
 
 
 # --- .gguf ------------------------------------------------------------------
