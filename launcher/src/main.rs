@@ -5,6 +5,7 @@
 //!
 //! ```text
 //! sluice-launcher
+//!   ├─ sluice-server download-adapter ORG/NAME (resolve) -> adapter folder, per Hub id in --lora-adapters
 //!   ├─ sluice-server download-weights MODEL   (resolve)  -> model folder
 //!   ├─ sluice-server serve ... rank 0..N-1    (shard)    -> unix sockets PATH-0 ...
 //!   └─ sluice-router ...                      (router)   -> HTTP on HOST:PORT
@@ -13,7 +14,7 @@
 //! Modules:
 //! - `args`      the command line, one typed struct (every flag also an env var);
 //! - `exe`       where `sluice-server` / `sluice-router` are found;
-//! - `resolve`   step 1: model id -> local folder;
+//! - `resolve`   step 1: model id and adapter Hub ids -> local folders;
 //! - `shard`     step 2: shard commands, stale sockets, gRPC Health;
 //! - `sockets`   where the shard sockets live (a private folder by default);
 //! - `router`    step 3: router command, port check, HTTP health;

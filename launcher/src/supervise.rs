@@ -1,6 +1,7 @@
 //! The launcher's life, start to end:
 //!
-//! 1. check the HTTP port is free (before anything slow), resolve the model;
+//! 1. check the HTTP port is free (before anything slow), resolve the
+//!    `--lora-adapters` Hub ids to folders, resolve the model;
 //! 2. start the shards, wait until each answers Health;
 //! 3. start the router, wait until `GET /health` answers;
 //! 4. supervise: the first child to exit stops everything (exit 1, with its
@@ -62,7 +63,7 @@ enum Interrupt {
     Signal(&'static str),
 }
 
-pub async fn run(args: Args) -> Result<()> {
+pub async fn run(mut args: Args) -> Result<()> {
     let mut signals = Signals::install()?;
     let lines = ChildLines { json: args.serving.json_output };
     if args.trust_remote_code {
@@ -76,6 +77,13 @@ pub async fn run(args: Args) -> Result<()> {
         sluice_router::check_data_dir(dir)?;
     }
 
+    // Adapters before the model: a wrong adapter id is found in seconds,
+    // not after the model's download. The shards (--lora-root) and the
+    // router get the folders.
+    let Some(adapters) = resolve::resolve_adapters(&exes.server, &args, lines, signals.recv()).await? else {
+        return Ok(());
+    };
+    args.serving.lora_adapters = adapters;
     let Some(model) = resolve::resolve(&exes.server, &args, lines, signals.recv()).await? else {
         return Ok(());
     };

@@ -243,12 +243,16 @@ pub struct ServingFlags {
     #[arg(long, env = "SLUICE_BATCH_MAX_LINES", default_value_t = 50_000,
           value_parser = clap::value_parser!(u32).range(1..))]
     pub batch_max_lines: u32,
-    /// LoRA adapters to serve, as NAME=PATH (a PEFT folder:
-    /// adapter_config.json + adapter_model.safetensors); several after one
-    /// flag, the flag repeated, or comma-separated. Requests pick one by
-    /// name (OpenAI `model`, TGI `adapter_id`). A bad adapter stops the
-    /// server at start with the reason.
-    #[arg(long, env = "SLUICE_LORA_ADAPTERS", num_args = 1.., value_delimiter = ',', value_name = "NAME=PATH",
+    /// LoRA adapters to serve, as NAME=PATH_OR_HUB_ID: a PEFT folder
+    /// (adapter_config.json + adapter_model.safetensors), or, where no such
+    /// folder exists, a Hugging Face Hub id ORG/NAME[@REVISION] that
+    /// sluice-launcher fetches into the Hub cache before it starts the
+    /// shards (the cache alone with HF_HUB_OFFLINE=1; sluice-router itself
+    /// takes folders only). Several after one flag, the flag repeated, or
+    /// comma-separated. Requests pick one by name (OpenAI `model`, TGI
+    /// `adapter_id`). A bad adapter stops the server at start with the
+    /// reason.
+    #[arg(long, env = "SLUICE_LORA_ADAPTERS", num_args = 1.., value_delimiter = ',', value_name = "NAME=PATH_OR_HUB_ID",
           value_parser = parse_lora_adapter)]
     pub lora_adapters: Vec<LoraAdapter>,
 }
@@ -257,6 +261,8 @@ pub struct ServingFlags {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LoraAdapter {
     pub name: String,
+    /// A folder; given to the launcher, also a Hub id, which it replaces
+    /// with the folder it fetched before handing the entry on.
     pub path: String,
 }
 
@@ -271,7 +277,7 @@ fn parse_lora_adapter(value: &str) -> Result<LoraAdapter, String> {
         Some((name, path)) if !name.trim().is_empty() && !path.trim().is_empty() => {
             Ok(LoraAdapter { name: name.trim().to_string(), path: path.trim().to_string() })
         }
-        _ => Err(format!("`{value}` is not NAME=PATH (e.g. sql=/adapters/sql-lora)")),
+        _ => Err(format!("`{value}` is not NAME=PATH_OR_HUB_ID (e.g. sql=/adapters/sql-lora or sql=acme/sql-lora)")),
     }
 }
 

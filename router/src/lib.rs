@@ -82,8 +82,9 @@ mod telemetry;
 
 /// `sluice-router`'s entry point (launcher/src/bin/sluice-router.rs).
 pub use cli::main;
-/// The router's command line, and the flags the launcher shares with it.
-pub use config::{RouterConfig, ServingFlags};
+/// The router's command line, and the flags the launcher shares with it
+/// (the launcher rewrites `--lora-adapters` Hub ids into folders).
+pub use config::{LoraAdapter, RouterConfig, ServingFlags};
 /// The launcher checks `--data-dir` before it loads any weights.
 pub use batch::store::check_available as check_data_dir;
 
