@@ -16,6 +16,11 @@ served by a real launcher, against transformers + peft in float32.
   their baseline after.
 - Bad adapters are refused with a message naming the problem, at load and
   at start, and the server keeps serving.
+- Adapters named by Hub id (`NAME=ORG/NAME[@REVISION]`) come from a Hub
+  cache offline (HF_HUB_OFFLINE=1, laid out as huggingface_hub writes it)
+  and give the tokens of the same adapters served from their folders; an id
+  the cache lacks, a repository without an adapter, or a value that is
+  neither stops the launcher at start with one line naming the entry.
 """
 
 from __future__ import annotations
@@ -436,3 +441,81 @@ def test_bundled_model_adapters_equal_peft_alone_and_mixed(bundled, model_dir):
                        concurrent=BUNDLED_CONCURRENT)
     config = json.loads((folders["bea"] / "adapter_config.json").read_text())
     assert config["use_rslora"] and config["r"] == 8
+
+
+# --- adapters from the Hub cache ----------------------------------------------------
+
+HUB_MAIN = "0123456789abcdef0123456789abcdef01234567"
+HUB_V2 = "fedcba9876543210fedcba9876543210fedcba98"
+
+
+@pytest.fixture(scope="module")
+def hub_cache(tmp_path_factory, tiny_root, tiny_model_dir) -> Path:
+    """acme/tiny-lora holds A at main and B at tag v2; acme/tiny-model is a
+    model, not an adapter."""
+    from sluice_server.testing import add_to_hub_cache
+
+    cache = tmp_path_factory.mktemp("hub-cache")
+    add_to_hub_cache(tiny_root / "ada", cache, "acme/tiny-lora", HUB_MAIN)
+    add_to_hub_cache(tiny_root / "bea", cache, "acme/tiny-lora", HUB_V2, refs=("v2",))
+    add_to_hub_cache(tiny_model_dir, cache, "acme/tiny-model", HUB_MAIN)
+    return cache
+
+
+def offline(cache: Path) -> dict[str, str]:
+    return {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache)}
+
+
+def test_hub_adapters_equal_the_same_adapters_from_their_folders(tiny_model_dir, tiny_root, hub_cache, tmp_path):
+    server = start_launcher(
+        "--model-id", str(tiny_model_dir), "--max-input-tokens", "96", "--max-total-tokens", "160",
+        "--lora-adapters", "sql=acme/tiny-lora", "sql2=acme/tiny-lora@v2",
+        f"ada={tiny_root / 'ada'}", f"bea={tiny_root / 'bea'}", "--max-lora-rank", "8",
+        env=offline(hub_cache), tmp=tmp_path,
+    )
+    try:
+        url = server.base_url
+        snapshots = hub_cache / "models--acme--tiny-lora" / "snapshots"
+        cards = model_ids(url)
+        assert (Path(cards["sql"]["root"]), Path(cards["sql2"]["root"])) == (snapshots / HUB_MAIN, snapshots / HUB_V2)
+        assert "[download-adapter]" in server.output()
+        prompts = TINY_PROMPTS[:2]
+        got = {(p, m): tgi_ids(url, p, m, 16) for p in prompts for m in ("sql", "sql2", "ada", "bea")}
+        for p in prompts:
+            assert got[(p, "sql")] == got[(p, "ada")] and got[(p, "sql2")] == got[(p, "bea")], p
+        assert any(got[(p, "sql")] != got[(p, "sql2")] for p in prompts), "the revisions are the same adapter"
+        oracle = peft_greedy(tiny_model_dir, tiny_root / "ada", [tokenize(url, prompts[0])], 16)[0]
+        assert got[(prompts[0], "sql")] == oracle
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        texts = [client.completions.create(model=m, prompt=prompts[1], max_tokens=16, temperature=0).choices[0].text
+                 for m in ("sql", "ada")]
+        assert texts[0] == texts[1]
+    finally:
+        server.stop()
+
+
+BAD_HUB_STARTS = [
+    # (--lora-adapters value, words of the launcher's last line)
+    ("acme/not-cached", ["LoRA adapter `bad=acme/not-cached`", "not in the Hub cache", "HF_HUB_OFFLINE=1"]),
+    ("acme/tiny-lora@v9", ["LoRA adapter `bad=acme/tiny-lora@v9`", "acme/tiny-lora@v9 is not in the Hub cache"]),
+    ("acme/tiny-model", ["LoRA adapter `bad=acme/tiny-model`", "has no adapter_config.json"]),
+    ("/no/such/adapter", ["--lora-adapters bad=/no/such/adapter: no such folder"]),
+    ("acme/a/b", ["--lora-adapters bad=acme/a/b: neither an existing folder nor a Hugging Face Hub id"]),
+]
+
+
+@pytest.mark.parametrize("value,words", BAD_HUB_STARTS, ids=[v for v, _ in BAD_HUB_STARTS])
+def test_an_adapter_that_cannot_be_found_stops_the_start_naming_it(tiny_model_dir, tiny_root, hub_cache, tmp_path,
+                                                                   value, words):
+    server = start_launcher("--model-id", str(tiny_model_dir), "--lora-adapters", f"ada={tiny_root / 'ada'}",
+                            f"bad={value}", env=offline(hub_cache), tmp=tmp_path, wait_ready=False)
+    try:
+        # Before any shard starts: adapters are resolved first.
+        assert server.proc.wait(timeout=120) != 0
+        server.output_ended.wait(30)
+    finally:
+        server.stop()
+    last = server.output().splitlines()[-1]
+    for word in words:
+        assert word in last, server.output()
+    assert "Traceback" not in server.output() and "Started 1 shard" not in server.output(), server.output()
