@@ -42,7 +42,8 @@ from sluice_server.download import resolve_model  # noqa: E402
 from sluice_server.model_runner import ModelRunner  # noqa: E402
 from sluice_server.servicer import Shard  # noqa: E402
 from sluice_server.testing import add_bpe_vocabulary  # noqa: E402
-from step_bench import memory_bandwidth, run  # noqa: E402
+from sluice_server.layers import moe as moe_layer  # noqa: E402
+from step_bench import memory_bandwidth, run, weight_bytes  # noqa: E402
 
 
 def vocabulary(size: int) -> tuple[list[str], list[str]]:
@@ -141,6 +142,40 @@ def model_folder(out: Path, args, moe: bool) -> Path:
     return resolve_model(str(path), cache_dir=str(out / "converted"))
 
 
+class ChosenExperts:
+    """Records, for each expert layer call of `batch` tokens (a decode step),
+    the share of the layer's experts its tokens chose."""
+
+    def __init__(self):
+        self.batch = 0
+        self.shares: list[float] = []
+        self._route = moe_layer.route
+
+    def __enter__(self):
+        def route(logits, spec):
+            weights, ids = self._route(logits, spec)
+            if ids.shape[0] == self.batch:
+                self.shares.append(ids.unique().numel() / spec.num_experts)
+            return weights, ids
+
+        moe_layer.route = route
+        return self
+
+    def __exit__(self, *exc):
+        moe_layer.route = self._route
+
+    def share(self, batch: int) -> float:
+        """The mean share since the last call, and start recording `batch`."""
+        shares, self.shares, self.batch = self.shares, [], batch
+        return sum(shares) / len(shares) if shares else 0.0
+
+
+def expert_bytes(runner: ModelRunner) -> int:
+    """Bytes of every expert layer's weights (blocks on CPU)."""
+    return sum(t.nbytes for m in runner.model.modules() if isinstance(m, moe_layer.FusedMoE) and m.quantized
+               for t in m.quantized.tensors())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=1024)
@@ -168,28 +203,41 @@ def main() -> None:
     folders = {"dense": model_folder(out, args, moe=False), "moe": model_folder(out, args, moe=True)}
     print(f"{args.layers} layers, hidden {args.hidden}, {args.experts} experts of width {args.expert_width}, "
           f"top {args.top_k} (dense MLP width {args.top_k * args.expert_width}), {args.quant}, --dtype {args.dtype}, "
-          f"{torch.get_num_threads()} threads, prompt {args.prompt_len}; memory bandwidth {memory_bandwidth():.1f} GB/s")
+          f"{torch.get_num_threads()} threads, prompt {args.prompt_len}")
+    bandwidth = memory_bandwidth()
     results: dict[str, dict[int, dict]] = {}
     params = {}
+    batches = [int(x) for x in args.batch_sizes.split(",")]
     for name, folder in folders.items():
         runner = ModelRunner(folder, dtype=args.dtype, device="cpu")
         params[name] = (runner.total_parameters, runner.active_parameters)
         shard = Shard(runner, urls=[])
         gc.collect()
         gc.freeze()
-        results[name] = {b: run(shard, b, args.prompt_len, args.steps, args.max_prefill)
-                         for b in (int(x) for x in args.batch_sizes.split(","))}
+        results[name] = {}
+        with ChosenExperts() as chosen:
+            for b in batches:
+                chosen.share(b)
+                results[name][b] = r = run(shard, b, args.prompt_len, args.steps, args.max_prefill)
+                # The weights the step must read: its linear layers', and of
+                # each expert layer the share of experts its tokens chose.
+                read = weight_bytes(runner, b) + chosen.share(b) * expert_bytes(runner)
+                r["floor_ms"] = read / (bandwidth * 1e9) * 1e3
         del shard, runner
         gc.unfreeze()
         gc.collect()
     for name, (total, active) in params.items():
         print(f"{name:<6} parameters: {total / 1e6:.1f} M total, {active / 1e6:.1f} M active per token")
-    header = f"{'batch':>5} {'dense ms':>9} {'moe ms':>8} {'moe/dense':>9} {'dense tok/s':>11} {'moe tok/s':>9}"
+    print(f"floor: the step's weight bytes (the MoE's chosen experts only) at the copy bandwidth, "
+          f"{bandwidth:.1f} GB/s")
+    header = (f"{'batch':>5} {'dense ms':>9} {'moe ms':>8} {'moe/dense':>9} {'dense floor':>11} {'moe floor':>9} "
+              f"{'moe/floor':>9} {'dense tok/s':>11} {'moe tok/s':>9}")
     print(header)
     print("-" * len(header))
     for b, dense in results["dense"].items():
         moe = results["moe"][b]
         print(f"{b:>5} {dense['step_ms']:>9.1f} {moe['step_ms']:>8.1f} {moe['step_ms'] / dense['step_ms']:>9.2f} "
+              f"{dense['floor_ms']:>11.1f} {moe['floor_ms']:>9.1f} {moe['step_ms'] / moe['floor_ms']:>9.2f} "
               f"{dense['tokens_per_s']:>11.1f} {moe['tokens_per_s']:>9.1f}", flush=True)
     print(f"models in {out}")
 

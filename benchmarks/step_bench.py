@@ -36,6 +36,7 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("server", "kernels")]
 
+from sluice_server.layers.moe import FusedMoE  # noqa: E402
 from sluice_server.model_runner import ModelRunner  # noqa: E402
 from sluice_server.pb import shard_pb2  # noqa: E402
 from sluice_server.servicer import Shard  # noqa: E402
@@ -85,10 +86,14 @@ def memory_bandwidth(mib: int = 512, repeats: int = 5) -> float:
 
 def weight_bytes(runner: ModelRunner, rows: int) -> int:
     """Bytes of linear weights a step of `rows` rows reads: each layer's GGUF
-    blocks where they serve that many rows, else its dense weight."""
+    blocks where they serve that many rows, else its dense weight. Expert
+    layers are left out: which experts a step reads depends on its tokens
+    (moe_bench.py counts them)."""
     total = 0
     for module in runner.model.modules():
         quantized = getattr(module, "quantized", None)
+        if isinstance(module, FusedMoE):
+            continue
         if quantized is not None and rows <= quantized.max_rows:
             total += quantized.data.nbytes
         elif getattr(module, "packed", None) is not None:

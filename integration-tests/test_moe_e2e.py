@@ -2,9 +2,10 @@
 Qwen3-MoE, Qwen2-MoE (routed experts and a gated shared expert), Mixtral and
 gpt-oss built from transformers' own config classes (with SmolLM2's
 tokenizer) serve the greedy tokens transformers generates in float32, alone,
-with 16 requests at once, and over 2 tensor-parallel shards (Qwen2-MoE's
-shards are server/tests/test_tensor_parallel.py's, to spare CI time); /info
-counts their active and total parameters (a shared expert whole). The
+with 16 requests at once, and over 2 shards, tensor-parallel or (Mixtral)
+expert-parallel (Qwen2-MoE's shards are server/tests/test_tensor_parallel.py's,
+to spare CI time); /info counts their active and total parameters (a shared
+expert whole) and says whether the shards hold whole experts. The
 Qwen3-MoE runs YaRN over an original context of 64 positions, and a
 200-token prompt is served beyond it as transformers computes it.
 
@@ -139,6 +140,7 @@ def test_info_counts_active_and_total_parameters(server, family, reference):
     assert info["model_type"] == family[0]
     assert info["total_parameters"] == total
     assert info["active_parameters"] == total - routed + routed * config.num_experts_per_tok // experts
+    assert info["expert_parallel"] is False  # one shard holds every expert
 
 
 def test_long_prompt_beyond_the_original_context(server, family, reference):
@@ -152,11 +154,21 @@ def test_long_prompt_beyond_the_original_context(server, family, reference):
     check(reference, prompt_ids, got, finish)
 
 
+# How each family runs over 2 shards: each expert's width split (tensor
+# parallel), or half the experts whole on each shard (--expert-parallel;
+# Mixtral's 4 experts here, 2 on each). Qwen2-MoE over 2 and 4 shards is
+# server/tests/test_tensor_parallel.py's, to spare CI time.
+TWO_SHARDS = {"qwen3_moe": (), "gpt_oss": (), "mixtral": ("--expert-parallel",)}
+
+
 def test_two_shards_match_transformers(family, reference, tmp_path):
-    if family[0] == "qwen2_moe":
+    if family[0] not in TWO_SHARDS:
         pytest.skip("Qwen2-MoE over 2 and 4 shards: server/tests/test_tensor_parallel.py (CI time)")
-    two = start_launcher("--model-id", str(family[1]), "--num-shard", "2", *FLAGS, tmp=tmp_path)
+    flags = TWO_SHARDS[family[0]]
+    two = start_launcher("--model-id", str(family[1]), "--num-shard", "2", *flags, *FLAGS, tmp=tmp_path)
     try:
+        info = httpx.get(f"{two.base_url}/info").json()
+        assert (info["world_size"], info["expert_parallel"]) == (2, bool(flags)), info
         for prompt_ids, got, finish in run(two.base_url, PROMPTS):
             check(reference, prompt_ids, got, finish)
     finally:

@@ -272,6 +272,7 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
             weight_bytes: shard_info.weight_bytes,
             total_parameters: info.total_parameters,
             active_parameters: info.active_parameters,
+            expert_parallel: shard_info.expert_parallel,
             router: "sluice".into(),
             version: env!("CARGO_PKG_VERSION").into(),
             hourly_cost: config.serving.hourly_cost,

@@ -29,6 +29,7 @@ from sluice_server.kv_cache import KVCache
 from sluice_server.layers.backends import get_backend
 from sluice_server.layers.gguf_weights import attach_block_experts, attach_gguf_weights
 from sluice_server.layers.linear import pack_linear_weights, weight_bytes
+from sluice_server.layers.moe import FusedMoE
 from sluice_server.models import build_model, load_weights, parameter_counts
 from sluice_server.models.llama_cpu_decoder import LlamaCpuDecoder, build_llama_cpu_decoder
 from sluice_server.options import KV_CACHE_DTYPES, ShardOptions
@@ -257,6 +258,9 @@ class ModelRunner:
         self.num_kv_heads = self.model.num_local_kv_heads
         self.head_dim = cfg.head_dim
         self.total_parameters, self.active_parameters = parameter_counts(self.model_dir, cfg)
+        # Whether this rank holds whole experts (--expert-parallel over shards).
+        self.expert_parallel = any(getattr(m, "expert_parallel", False) for m in self.model.modules()
+                                   if isinstance(m, FusedMoE))
         log.info("parameters: %s total, %s active per token", f"{self.total_parameters:,}",
                  f"{self.active_parameters:,}")
         self.kv_cache: KVCache | None = None

@@ -99,6 +99,7 @@ class Shard:
             active_parameters=r.active_parameters,
             max_loras=r.adapters.max_loras,
             max_lora_rank=r.adapters.max_rank,
+            expert_parallel=r.expert_parallel,
         )
 
     def warmup(self, req: shard_pb2.WarmupRequest) -> shard_pb2.WarmupResponse:

@@ -51,6 +51,10 @@ pub struct Info {
     /// through (fewer than the total for mixtures of experts).
     pub total_parameters: u64,
     pub active_parameters: u64,
+    /// Mixtures of experts over several shards: true when each shard holds
+    /// a share of the experts whole (`--expert-parallel`), false when each
+    /// holds a slice of every expert (and for one shard or a dense model).
+    pub expert_parallel: bool,
     pub router: String,
     pub version: String,
     /// Dollars per hour (`--hourly-cost`); null when not configured.

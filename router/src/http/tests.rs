@@ -137,6 +137,7 @@ fn build_with_shard(setup: Setup) -> (Router, Arc<AppState>, FakeShardHandle) {
             weight_bytes: 1 << 20,
             total_parameters: 1000,
             active_parameters: 400,
+            expert_parallel: false,
             router: "sluice".into(),
             version: "test".into(),
             hourly_cost: setup.hourly_cost,
@@ -655,6 +656,7 @@ async fn info_models_tokenize_metrics_and_openapi() {
     );
     assert_eq!(info["cpu_matmuls"], "dense float32 weights (oneDNN)");
     assert_eq!((info["total_parameters"].as_u64(), info["active_parameters"].as_u64()), (Some(1000), Some(400)));
+    assert_eq!(info["expert_parallel"], false);
     let (_, _, models) = call(&app, "GET", "/v1/models", None).await;
     assert_eq!(serde_json::from_str::<Value>(&models).unwrap()["data"][0]["id"], "tiny");
     let (status, tokens) = post(&app, "/tokenize", json!({"inputs": "Hello"})).await;
