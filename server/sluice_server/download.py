@@ -25,6 +25,7 @@ resolved folder there).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import os
@@ -149,17 +150,11 @@ def hub_offline() -> bool:
 
 
 def _from_hub(repo_id: str, revision: str | None, hub_cache: Path) -> Path:
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
     offline = hub_offline()
     where = f"{repo_id}" + (f"@{revision}" if revision else "")
-    try:
+    with _hub_errors(repo_id, where, hub_cache, offline):
         check_weight_format(_hub_file_list(repo_id, revision, hub_cache, offline), where)
         _check_model_type(repo_id, revision, hub_cache, offline, where)
-    except LocalEntryNotFoundError:
-        raise _not_found(repo_id, where, hub_cache, offline) from None
-    except HfHubHTTPError as error:
-        raise ModelResolutionError(f"{where}: the Hub refused the request: {error}") from None
     return check_model_folder(_snapshot(repo_id, revision, hub_cache, HUB_ALLOW_PATTERNS, where))
 
 
@@ -167,11 +162,10 @@ def _snapshot(repo_id: str, revision: str | None, hub_cache: Path, allow_pattern
     """snapshot_download of the files matching `allow_patterns` (the cache
     alone when offline); its failures as ModelResolutionError."""
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     offline = hub_offline()
     progress(f"fetching {where} into {hub_cache}" + (" (offline: cache only)" if offline else ""))
-    try:
+    with _hub_errors(repo_id, where, hub_cache, offline):
         return Path(snapshot_download(
             repo_id,
             revision=revision,
@@ -179,19 +173,27 @@ def _snapshot(repo_id: str, revision: str | None, hub_cache: Path, allow_pattern
             allow_patterns=allow_patterns,
             local_files_only=offline,
         ))
+
+
+@contextlib.contextmanager
+def _hub_errors(repo_id: str, where: str, hub_cache: Path, offline: bool):
+    """huggingface_hub's failures inside the block as ModelResolutionError:
+    not found (in the cache, offline), or refused by the Hub."""
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        yield
     except LocalEntryNotFoundError:
-        raise _not_found(repo_id, where, hub_cache, offline) from None
+        if offline:
+            raise ModelResolutionError(
+                f"{where} is not in the Hub cache {hub_cache} and HF_HUB_OFFLINE=1 forbids "
+                f"downloading it (nor is {repo_id!r} a local folder)"
+            ) from None
+        raise ModelResolutionError(
+            f"{where} could not be fetched from the Hub and is not in the cache {hub_cache}"
+        ) from None
     except HfHubHTTPError as error:
         raise ModelResolutionError(f"{where}: the Hub refused the request: {error}") from None
-
-
-def _not_found(repo_id: str, where: str, hub_cache: Path, offline: bool) -> ModelResolutionError:
-    if offline:
-        return ModelResolutionError(
-            f"{where} is not in the Hub cache {hub_cache} and HF_HUB_OFFLINE=1 forbids "
-            f"downloading it (nor is {repo_id!r} a local folder)"
-        )
-    return ModelResolutionError(f"{where} could not be fetched from the Hub and is not in the cache {hub_cache}")
 
 
 def _check_model_type(repo_id: str, revision: str | None, hub_cache: Path, offline: bool, where: str) -> None:
