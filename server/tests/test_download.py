@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from sluice_server import download
 from sluice_server.download import ModelResolutionError, bundled_model_path, resolve_adapter, resolve_model
 from sluice_server.gguf_convert import converted_folder
+from sluice_server.testing import add_to_hub_cache
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 OTHER_COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
@@ -34,17 +35,10 @@ def write_model_files(folder: Path, weights: str = "safetensors") -> Path:
 
 
 def make_hub_cache(cache: Path, repo_id: str, weights: str = "safetensors", refs=("main",), commit=COMMIT) -> Path:
-    """The Hub cache layout huggingface_hub writes:
-
-        <cache>/models--org--name/refs/<ref>           -> "<commit>"
-        <cache>/models--org--name/snapshots/<commit>/  the files
-    """
-    repo = cache / ("models--" + repo_id.replace("/", "--"))
-    snapshot = write_model_files(repo / "snapshots" / commit, weights)
-    (repo / "refs").mkdir(parents=True, exist_ok=True)
-    for ref in refs:
-        (repo / "refs" / ref).write_text(commit)
-    return snapshot
+    """A model repository in the Hub cache, as revision `commit` (and each
+    ref), laid out as huggingface_hub writes it (testing.add_to_hub_cache)."""
+    files = write_model_files(cache.parent / "hub-sources" / repo_id / commit, weights)
+    return add_to_hub_cache(files, cache, repo_id, commit, refs)
 
 
 @pytest.fixture
@@ -247,8 +241,6 @@ def adapters(tmp_path_factory) -> dict[str, Path]:
 
 
 def test_adapter_resolves_to_its_cached_snapshot_offline(offline_cache, adapters):
-    from sluice_server.testing import add_to_hub_cache
-
     snapshot = add_to_hub_cache(adapters["one"], offline_cache, "acme/sql-lora", COMMIT)
     folder = resolve_adapter("acme/sql-lora")
     assert folder == snapshot
@@ -257,8 +249,6 @@ def test_adapter_resolves_to_its_cached_snapshot_offline(offline_cache, adapters
 
 
 def test_adapter_revision_selects_a_ref_or_a_commit(offline_cache, adapters):
-    from sluice_server.testing import add_to_hub_cache
-
     main = add_to_hub_cache(adapters["one"], offline_cache, "acme/sql-lora", COMMIT)
     tagged = add_to_hub_cache(adapters["two"], offline_cache, "acme/sql-lora", OTHER_COMMIT, refs=("v2",))
     assert resolve_adapter("acme/sql-lora") == main
@@ -268,8 +258,6 @@ def test_adapter_revision_selects_a_ref_or_a_commit(offline_cache, adapters):
 
 
 def test_adapter_cache_dir_argument_overrides_the_environment(offline_cache, adapters, tmp_path):
-    from sluice_server.testing import add_to_hub_cache
-
     snapshot = add_to_hub_cache(adapters["one"], tmp_path / "flag-cache", "acme/sql-lora", COMMIT)
     assert resolve_adapter("acme/sql-lora", cache_dir=str(tmp_path / "flag-cache")) == snapshot
     with pytest.raises(ModelResolutionError, match="acme/sql-lora is not in the Hub cache .*HF_HUB_OFFLINE=1"):
@@ -281,8 +269,6 @@ def test_the_shard_reads_an_adapter_from_the_hub_cache(offline_cache, adapters):
     folder the launcher allows: the shard follows them (only the folder
     itself must lie inside an allowed one)."""
     from sluice_server.model_runner import ModelRunner
-    from sluice_server.testing import add_to_hub_cache
-
     add_to_hub_cache(adapters["two"], offline_cache, "acme/sql-lora", COMMIT)
     folder = resolve_adapter("acme/sql-lora")
     assert (folder / "adapter_model.safetensors").is_symlink()
@@ -299,8 +285,6 @@ def test_a_model_repo_is_not_an_adapter(offline_cache):
 
 
 def test_a_pickled_adapter_is_refused(offline_cache, adapters, tmp_path):
-    from sluice_server.testing import add_to_hub_cache
-
     pickled = tmp_path / "pickled"
     pickled.mkdir()
     (pickled / "adapter_config.json").write_bytes((adapters["one"] / "adapter_config.json").read_bytes())
@@ -318,8 +302,6 @@ def test_an_adapter_id_must_be_org_slash_name(repo_id, offline_cache):
 
 def test_download_adapter_prints_the_folder_last(offline_cache, adapters, capsys):
     from sluice_server.cli import main
-    from sluice_server.testing import add_to_hub_cache
-
     snapshot = add_to_hub_cache(adapters["one"], offline_cache, "acme/sql-lora", COMMIT, refs=("main", "v1"))
     assert main(["download-adapter", "acme/sql-lora", "--revision", "v1"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == str(snapshot)
