@@ -7,10 +7,13 @@ SmolLM2-135M's four adapted linear layers (not a test):
     down    1536 -> 576
 
 with every slot holding a rank-R adapter of every piece (the stacks packed
-as the shard packs them, `lora_pack_cpu`). A case is T rows
+as the shard packs them, `lora_pack_cpu`, in `--stacks` float32 or
+bfloat16). A case is T rows
 split into G equal segments on G different slots (the rows of a decode step
-of T sequences on G adapters). A row prints ms per call of each layer and
-per 30-layer step (the four calls, 30 times), the median of the repeats.
+of T sequences on G adapters). A row prints ms per call of each layer (the
+same stacks call after call: they stay in cache) and per 30-layer step:
+the four calls on each of 30 layers' own stacks, as a real step reads
+them from memory; the median of the repeats.
 The op is called as the C++ decoder calls it, without the Python-side
 argument check (lora_apply_cpu adds that). `--clock cpu` counts the
 process's CPU time instead of wall time: steadier on a shared host, and
@@ -18,6 +21,7 @@ the same as wall time times the threads when they are all busy.
 
     python kernels/benchmarks/lora_bench_kernel.py
     python kernels/benchmarks/lora_bench_kernel.py --rows 8 --segments 4 --repeats 50
+    python kernels/benchmarks/lora_bench_kernel.py --stacks bfloat16
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from sluice_kernels import cpu_kernels  # noqa: E402
 try:
     from sluice_kernels.lora import lora_pack_cpu  # noqa: E402
 except ImportError:  # a checkout from before the packed layout: the stacks as they are
-    def lora_pack_cpu(a, b):
+    def lora_pack_cpu(a, b, dtype=torch.float32):
         return a, b
 
 LAYERS = 30
@@ -49,13 +53,14 @@ SHAPES = {  # name: (in, piece outputs)
 }
 
 
-def stacks(in_features: int, pieces: list[int], slots: int, rank: int, seed: int):
+def stacks(in_features: int, pieces: list[int], slots: int, rank: int, seed: int, dtype: torch.dtype):
     g = torch.Generator().manual_seed(seed)
     a = torch.randn(slots, len(pieces), rank, in_features, generator=g) / in_features**0.5
     b = torch.randn(slots, sum(pieces), rank, generator=g) * 0.02
     bounds = torch.tensor([sum(pieces[:i]) for i in range(len(pieces) + 1)], dtype=torch.int32)
     ranks = torch.full((slots, len(pieces)), rank, dtype=torch.int32)
-    return *lora_pack_cpu(a, b), bounds, ranks
+    packed = lora_pack_cpu(a, b) if dtype == torch.float32 else lora_pack_cpu(a, b, dtype)
+    return *packed, bounds, ranks
 
 
 def segments(rows: int, count: int):
@@ -89,6 +94,8 @@ def main() -> None:
     parser.add_argument("--inner", type=int, default=30, help="calls per timing")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="wall time, or the process's CPU time")
+    parser.add_argument("--stacks", choices=["float32", "bfloat16"], default="float32",
+                        help="the stacks' element type (--lora-dtype)")
     args = parser.parse_args()
     if not cpu_kernels.load():
         sys.exit(f"the CPU kernels are not available: {cpu_kernels.unavailable_reason()}")
@@ -96,25 +103,36 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     clock = time.perf_counter if args.clock == "wall" else time.process_time
     op = torch.ops.sluice_cpu.lora_apply_
-    print(f"lora_apply_ (C++), rank {args.rank}, {args.slots} slots, {torch.get_num_threads()} threads; {args.clock} "
-          f"ms per call (median of {args.repeats})")
+    dtype = getattr(torch, args.stacks)
+    print(f"lora_apply_ (C++), rank {args.rank}, {args.slots} slots, {args.stacks} stacks, "
+          f"{torch.get_num_threads()} threads; {args.clock} ms per call (median of {args.repeats})")
     print(f"{'T':>4}{'G':>4}" + "".join(f"{name:>10}" for name in SHAPES) + f"{'30 layers':>12}")
-    layers = {name: stacks(i, p, args.slots, args.rank, seed) for seed, (name, (i, p)) in enumerate(SHAPES.items())}
+    # Every layer's own stacks: [layer][name].
+    model = [{name: stacks(i, p, args.slots, args.rank, 100 * layer + seed, dtype)
+              for seed, (name, (i, p)) in enumerate(SHAPES.items())} for layer in range(LAYERS)]
+    layers = model[0]
     for rows in args.rows:
         for count in args.segments:
             if count > min(rows, args.slots):
                 continue
             seg = segments(rows, count)
             per_layer = {}
-            for name, (in_features, pieces) in SHAPES.items():
+            xs = {name: torch.randn(rows, i) for name, (i, _) in SHAPES.items()}
+            ys = {name: torch.zeros(rows, sum(p)) for name, (_, p) in SHAPES.items()}
+            scales = torch.full((args.slots,), 2.0)
+            for name in SHAPES:
                 a, b, bounds, ranks = layers[name]
-                x = torch.randn(rows, in_features)
-                y = torch.zeros(rows, sum(pieces))
-                scales = torch.full((args.slots,), 2.0)
+                x, y = xs[name], ys[name]
                 per_layer[name] = time_calls(
                     lambda: op(y, x, a, b, bounds, *seg, ranks, scales), args.repeats, args.inner, clock
                 )
-            step = LAYERS * sum(per_layer.values())
+
+            def step_call():
+                for layer in model:
+                    for name, (a, b, bounds, ranks) in layer.items():
+                        op(ys[name], xs[name], a, b, bounds, *seg, ranks, scales)
+
+            step = time_calls(step_call, args.repeats, 1, clock)
             print(f"{rows:>4}{count:>4}" + "".join(f"{ms:>10.3f}" for ms in per_layer.values()) + f"{step:>12.2f}",
                   flush=True)
 

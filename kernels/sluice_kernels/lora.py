@@ -27,8 +27,10 @@ in PEFT's order (the update, then the scale). Implementations:
     lora_apply_reference   plain torch, a loop over segments and pieces
     lora_apply_cpu         csrc/cpu_lora.cpp: one call, both phases parallel
                            over (segment, piece, chunk of inputs, rows) and
-                           (segment, block of 64 outputs, rows); float32, on
-                           the stacks packed by `lora_pack_cpu` (below)
+                           (segment, block of 64 outputs, rows); x, y and the
+                           sums float32, the stacks float32 or bfloat16 (each
+                           element widened exactly as it is read), packed by
+                           `lora_pack_cpu` (below)
     triton.lora            lora_apply_triton: a shrink and an expand kernel,
                            one program per (segment, row tile, piece or
                            output tile)
@@ -59,6 +61,8 @@ import torch
 
 LANES = 16  # ranks per panel of the packed A
 OUT_BLOCK = 64  # outputs per block of the packed B
+# The element types of the C++ kernel's stacks (x, y and its sums are float32).
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -78,7 +82,8 @@ def _need(ok: bool, message: str) -> None:
 def lora_dims(a: torch.Tensor, b: torch.Tensor, packed: bool, out_features: int | None = None) -> LoraDims:
     """The stacks' dimensions, checking their layout: the module's `a`/`b`
     ([S, P, R, IN] and [S, OUT, R], any float dtype, a's) or, `packed`, the
-    C++ kernel's (float32; `out_features` is then needed: blocks pad it)."""
+    C++ kernel's (float32 or bfloat16, a's; `out_features` is then needed:
+    blocks pad it)."""
     _need(a.is_contiguous() and b.is_contiguous(), "a and b must be contiguous")
     if not packed:
         _need(a.dim() == 4 and b.dim() == 3, "a must be [S, P, R, IN] and b [S, OUT, R]")
@@ -88,7 +93,7 @@ def lora_dims(a: torch.Tensor, b: torch.Tensor, packed: bool, out_features: int 
         return LoraDims(S, P, R, IN, b.shape[1])
     _need(a.dim() == 5 and a.shape[4] == LANES and b.dim() == 4 and b.shape[3] == OUT_BLOCK,
           f"packed a must be [S, P, RP/{LANES}, IN, {LANES}] and b [S, NB, R, {OUT_BLOCK}] (lora_pack_cpu)")
-    _need(a.dtype == torch.float32 and b.dtype == torch.float32, "packed a and b must be float32")
+    _need(a.dtype == b.dtype and a.dtype in PACKED_DTYPES, "packed a and b must share one dtype, float32 or bfloat16")
     S, P, panels, IN = a.shape[:4]
     R = b.shape[2]
     _need(out_features is not None and b.shape[0] == S and b.shape[1] == -(-out_features // OUT_BLOCK)
@@ -150,17 +155,18 @@ def check_lora_args(
     return d
 
 
-def lora_pack_cpu(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def lora_pack_cpu(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Stacks a [S, P, R, IN], b [S, OUT, R] in the C++ kernel's layout
-    (module docstring), float32."""
+    (module docstring), as `dtype` (float32 or bfloat16: rounded to nearest)."""
+    _need(dtype in PACKED_DTYPES, f"packed stacks are float32 or bfloat16, not {dtype}")
     S, P, R, IN = a.shape
     OUT = b.shape[1]
     panels = -(-R // LANES)
-    a_pad = torch.zeros(S, P, panels * LANES, IN, dtype=torch.float32, device=a.device)
+    a_pad = torch.zeros(S, P, panels * LANES, IN, dtype=dtype, device=a.device)
     a_pad[:, :, :R] = a
     a_packed = a_pad.view(S, P, panels, LANES, IN).transpose(3, 4).contiguous()
     blocks = -(-OUT // OUT_BLOCK)
-    b_pad = torch.zeros(S, blocks * OUT_BLOCK, R, dtype=torch.float32, device=b.device)
+    b_pad = torch.zeros(S, blocks * OUT_BLOCK, R, dtype=dtype, device=b.device)
     b_pad[:, :OUT] = b
     b_packed = b_pad.view(S, blocks, OUT_BLOCK, R).transpose(2, 3).contiguous()
     return a_packed, b_packed
@@ -169,16 +175,17 @@ def lora_pack_cpu(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch
 def lora_write_cpu_(a_packed: torch.Tensor, b_packed: torch.Tensor, slot: int, piece: int, first_out: int,
                     a: torch.Tensor, b: torch.Tensor) -> None:
     """Writes one piece's A [r, IN] and B [out, r] (its outputs from
-    `first_out` on) into slot `slot` of packed stacks, in place; ranks
-    past r keep what they hold (zeros in an emptied slot)."""
+    `first_out` on) into slot `slot` of packed stacks, in place (rounded to
+    the stacks' dtype); ranks past r keep what they hold (zeros in an
+    emptied slot)."""
     r = a.shape[0]
     _need(r <= b_packed.shape[2], f"rank {r} is above the stacks' {b_packed.shape[2]}")
     panels = -(-r // LANES)
-    a_pad = torch.zeros(panels * LANES, a.shape[1], dtype=torch.float32)
+    a_pad = torch.zeros(panels * LANES, a.shape[1], dtype=a_packed.dtype)
     a_pad[:r] = a
     a_packed[slot, piece, :panels].copy_(a_pad.view(panels, LANES, a.shape[1]).transpose(1, 2))
     outs = torch.arange(first_out, first_out + b.shape[0], device=b_packed.device)
-    b_packed[slot, outs // OUT_BLOCK, :r, outs % OUT_BLOCK] = b.to(b_packed.device, torch.float32)
+    b_packed[slot, outs // OUT_BLOCK, :r, outs % OUT_BLOCK] = b.to(b_packed.device, b_packed.dtype)
 
 
 def lora_apply_reference(
@@ -219,7 +226,7 @@ def lora_apply_cpu(
     scales: torch.Tensor,
 ) -> None:
     """The C++ kernel (`cpu_kernels.load()` first) on stacks packed by
-    `lora_pack_cpu`: every index tensor int32, y, x, a, b, scales float32,
-    rows contiguous (checked: check_lora_args)."""
+    `lora_pack_cpu` (float32 or bfloat16): every index tensor int32, y, x,
+    scales float32, rows contiguous (checked: check_lora_args)."""
     check_lora_args(y, x, a, b, bounds, seg_starts, seg_ends, seg_slots, ranks, scales, packed=True)
     torch.ops.sluice_cpu.lora_apply_(y, x, a, b, bounds, seg_starts, seg_ends, seg_slots, ranks, scales)

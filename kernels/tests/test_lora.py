@@ -3,7 +3,9 @@ interpreter without a GPU) against `lora_apply_reference`, which is itself
 checked against each row's own update computed densely. Irregular shapes:
 fused pieces of unequal size, ranks below the stacks' R and 0 (a piece the
 adapter leaves alone), an input size no power of two, segments of 1 row and
-of more rows than a tile, base-model rows between them."""
+of more rows than a tile, base-model rows between them. The C++ kernel's
+stacks may be bfloat16 (--lora-dtype): it then equals the reference on the
+stacks rounded to bfloat16, its sums still float32."""
 
 from __future__ import annotations
 
@@ -68,16 +70,43 @@ def test_reference_is_each_rows_own_update():
     assert not torch.allclose(got[2:6], y[2:6])
 
 
+STACK_DTYPES = pytest.mark.parametrize("stacks", [torch.float32, torch.bfloat16])
+
+
+def rounded(t: torch.Tensor, stacks: torch.dtype) -> torch.Tensor:
+    """t as the kernel reads it from stacks of `stacks` (float32 values)."""
+    return t.to(stacks).float()
+
+
 @pytest.mark.skipif(not cpu_kernels.load(), reason="CPU kernels not built")
-def test_cpu_kernel_matches_the_reference():
+@STACK_DTYPES
+def test_cpu_kernel_matches_the_reference(stacks):
     y, x, a, b, scales = case(torch.float32, seed=1)
-    want = reference(y, x, a, b, scales)
-    lora_apply_cpu(y, x, *lora_pack_cpu(a, b), *index_tensors("cpu"), scales)
+    want = reference(y, x, rounded(a, stacks), rounded(b, stacks), scales)
+    packed = lora_pack_cpu(a, b, stacks)
+    assert all(t.dtype == stacks for t in packed)
+    lora_apply_cpu(y, x, *packed, *index_tensors("cpu"), scales)
     torch.testing.assert_close(y, want, **TOLERANCES[torch.float32])
 
 
 @pytest.mark.skipif(not cpu_kernels.load(), reason="CPU kernels not built")
-def test_cpu_kernel_at_model_shapes_and_many_rows():
+def test_bfloat16_stacks_are_half_the_bytes_and_close_to_float32():
+    """The rounding of bfloat16 stacks is the whole difference: the update
+    moves by about bfloat16's relative precision (2^-8) of its size."""
+    y, x, a, b, scales = case(torch.float32, seed=6)
+    full, half = lora_pack_cpu(a, b), lora_pack_cpu(a, b, torch.bfloat16)
+    assert [t.nbytes for t in half] == [t.nbytes // 2 for t in full]
+    exact, got = y.clone(), y.clone()
+    lora_apply_cpu(exact, x, *full, *index_tensors("cpu"), scales)
+    lora_apply_cpu(got, x, *half, *index_tensors("cpu"), scales)
+    update = (exact - y).abs().max()
+    assert update > 0
+    assert 0 < (got - exact).abs().max() <= 2**-7 * update
+
+
+@pytest.mark.skipif(not cpu_kernels.load(), reason="CPU kernels not built")
+@STACK_DTYPES
+def test_cpu_kernel_at_model_shapes_and_many_rows(stacks):
     """Shapes past the small case's blocks: several chunks of inputs (one
     partial), ranks over two panels (R = 24: a rank of 20 and one of 16),
     output blocks that straddle pieces and a partial last block, segments
@@ -98,9 +127,10 @@ def test_cpu_kernel_at_model_shapes_and_many_rows():
     scales = torch.tensor([0.5, 2.0, 1.5])
     segments = [(0, 70, 1), (70, 71, 0), (75, 150, 2)]
     want = y.clone()
-    lora_apply_reference(want, x, a, b, bounds, *([seg[i] for seg in segments] for i in range(3)), ranks, scales)
+    lora_apply_reference(want, x, rounded(a, stacks), rounded(b, stacks), bounds,
+                         *([seg[i] for seg in segments] for i in range(3)), ranks, scales)
     index = [torch.tensor([seg[i] for seg in segments], dtype=torch.int32) for i in range(3)]
-    packed = lora_pack_cpu(a, b)
+    packed = lora_pack_cpu(a, b, stacks)
     got = y.clone()
     lora_apply_cpu(got, x, *packed, torch.tensor(bounds, dtype=torch.int32), *index,
                    torch.tensor(ranks, dtype=torch.int32), scales)
@@ -112,11 +142,12 @@ def test_cpu_kernel_at_model_shapes_and_many_rows():
     assert torch.equal(alone, got[70:71])
 
 
-def test_packed_writes_match_packing_the_stacks():
+@STACK_DTYPES
+def test_packed_writes_match_packing_the_stacks(stacks):
     """lora_write_cpu_ (one slot's piece at a time, as adapters load) gives
     the bytes lora_pack_cpu gives for the whole stacks."""
     y, x, a, b, scales = case(torch.float32, seed=4)
-    want_a, want_b = lora_pack_cpu(a, b)
+    want_a, want_b = lora_pack_cpu(a, b, stacks)
     got_a, got_b = torch.zeros_like(want_a), torch.zeros_like(want_b)
     for s, ranks in enumerate(RANKS):
         for p, r in enumerate(ranks):
@@ -148,6 +179,10 @@ def test_cpu_kernel_on_strided_rows_and_bad_inputs():
         lora_apply_cpu(y, x, pa, pb, bounds.long(), starts, ends, slots, ranks, scales)
     with pytest.raises(ValueError, match="lora_pack_cpu"):
         lora_apply_cpu(y, x, a, b, bounds, starts, ends, slots, ranks, scales)
+    with pytest.raises(ValueError, match="share one dtype"):
+        lora_apply_cpu(y, x, pa.bfloat16(), pb, bounds, starts, ends, slots, ranks, scales)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        lora_pack_cpu(a, b, torch.float16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -35,9 +35,16 @@
 // Chunk boundaries depend on IN alone and h is summed over them in order,
 // so a row's update is the same whatever the other rows of the step, the
 // segment's length or the number of threads. A decode step reads each
-// adapter's A and B once per layer; pieces of rank 0 are skipped. float32
-// throughout; the vectors are GCC/Clang vector types, which -march=native
-// lowers to the host's widest registers (AVX-512, AVX2, or SSE).
+// adapter's A and B once per layer; pieces of rank 0 are skipped.
+//
+// The stacks are float32 or bfloat16 (--lora-dtype; both packed alike, a
+// and b of one dtype); x, y, h and every sum are float32. A bfloat16
+// element is widened exactly as it is read (its 16 bits are a float32's
+// upper half), so the two dtypes differ only by the stacks' rounding, and a
+// decode step reads half the bytes of stacks (most of its LoRA time where
+// several adapters share it: each one's stacks are read once a layer). The
+// vectors are GCC/Clang vector types, which -march=native lowers to the
+// host's widest registers (AVX-512, AVX2, or SSE).
 //
 // No argument is checked here: sluice_kernels.lora.check_lora_args is the one
 // validator (lora_apply_cpu calls it, and the decoder's Python side checks its
@@ -56,6 +63,8 @@
 namespace {
 
 typedef float v16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
 constexpr int64_t kLanes = 16;
 constexpr int64_t kOutBlock = 64;   // outputs per packed B block (4 vectors)
@@ -68,11 +77,22 @@ inline v16 load(const float* p) {
   return v;
 }
 
+// 16 bfloat16 (their bits) widened to float32: each is a float32's upper half.
+inline v16 load(const uint16_t* p) {
+  u16x16 half;
+  std::memcpy(&half, p, sizeof half);
+  const u32x16 bits = __builtin_convertvector(half, u32x16) << 16;
+  v16 v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
 inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
 
-// acc[m] = sum_{i in [i0, i1)} x[m][i] * panel[i]  for M rows, one 16-rank panel.
-template <int M>
-void shrink_rows(const float* x, int64_t x_stride, const float* panel, int64_t i0, int64_t i1, float* out,
+// acc[m] = sum_{i in [i0, i1)} x[m][i] * panel[i]  for M rows, one 16-rank panel
+// of W (float, or bfloat16's bits).
+template <int M, typename W>
+void shrink_rows(const float* x, int64_t x_stride, const W* panel, int64_t i0, int64_t i1, float* out,
                  int64_t out_stride) {
   v16 acc[M] = {};
   for (int64_t i = i0; i < i1; ++i) {
@@ -85,12 +105,12 @@ void shrink_rows(const float* x, int64_t x_stride, const float* panel, int64_t i
 // acc[m][0:64] = sum_{k < r} h[m][k] * block[k][0:64]  for M rows, then
 // y[m][o] += scale * acc[m][o] on the block's outputs [lo, hi) (offsets in
 // the block).
-template <int M>
-void expand_rows(const float* h, int64_t h_stride, const float* block, int64_t r, float* y, int64_t y_stride,
+template <int M, typename W>
+void expand_rows(const float* h, int64_t h_stride, const W* block, int64_t r, float* y, int64_t y_stride,
                  int64_t lo, int64_t hi, float scale) {
   v16 acc[M][4] = {};
   for (int64_t k = 0; k < r; ++k) {
-    const float* bk = block + k * kOutBlock;
+    const W* bk = block + k * kOutBlock;
     const v16 b0 = load(bk), b1 = load(bk + 16), b2 = load(bk + 32), b3 = load(bk + 48);
     for (int m = 0; m < M; ++m) {
       const float hk = h[m * h_stride + k];
@@ -119,13 +139,11 @@ void by_rows(int64_t rows, int64_t max_m, F&& f) {
   for (int64_t t = 0; t < rows; t += max_m) f(t, std::min(max_m, rows - t));
 }
 
-}  // namespace
-
-namespace sluice_cpu {
-
-void lora_apply_unchecked(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
-                          const int32_t* bound, const int32_t* start, const int32_t* end, const int32_t* slot,
-                          int64_t G, const int32_t* rank, const float* scale) {
+// The kernel on stacks of element W (float, or uint16_t: bfloat16's bits).
+template <typename W>
+void lora_apply_impl(at::Tensor& y, const at::Tensor& x, const W* as, const W* bs, const at::Tensor& a,
+                     const at::Tensor& b, const int32_t* bound, const int32_t* start, const int32_t* end,
+                     const int32_t* slot, int64_t G, const int32_t* rank, const float* scale) {
   // a [S, P, RP/16, IN, 16], b [S, NB, R, 64], y [T, OUT] (module comment).
   const int64_t P = a.size(1), RP = a.size(2) * kLanes, IN = a.size(3), NB = b.size(1), R = b.size(2);
   const int64_t OUT = y.size(1);
@@ -149,8 +167,6 @@ void lora_apply_unchecked(at::Tensor& y, const at::Tensor& x, const at::Tensor& 
   h_scratch.resize(h_row[G] * P * NC * RP);
   float* h = h_scratch.data();
   const float* xs = x.data_ptr<float>();
-  const float* as = a.data_ptr<float>();
-  const float* bs = b.data_ptr<float>();
   float* ys = y.data_ptr<float>();
   const int64_t x_stride = x.stride(0), y_stride = y.stride(0);
   const int64_t h_stride = P * NC * RP;  // between rows
@@ -171,19 +187,19 @@ void lora_apply_unchecked(at::Tensor& y, const at::Tensor& x, const at::Tensor& 
       const int64_t t0 = start[g] + block * kRowBlock, t1 = std::min<int64_t>(end[g], t0 + kRowBlock);
       const int64_t i0 = c * kChunk, i1 = std::min(IN, i0 + kChunk);
       for (int64_t pan = 0; pan * kLanes < r; ++pan) {
-        const float* panel = as + ((s * P + p) * (RP / kLanes) + pan) * IN * kLanes;
+        const W* panel = as + ((s * P + p) * (RP / kLanes) + pan) * IN * kLanes;
         by_rows(t1 - t0, 8, [&](int64_t t, int64_t m) {
           const float* x_rows = xs + (t0 + t) * x_stride;
           float* out = h + (h_row[g] + t0 - start[g] + t) * h_stride + (p * NC + c) * RP + pan * kLanes;
           switch (m) {
-            case 8: shrink_rows<8>(x_rows, x_stride, panel, i0, i1, out, h_stride); break;
-            case 7: shrink_rows<7>(x_rows, x_stride, panel, i0, i1, out, h_stride); break;
-            case 6: shrink_rows<6>(x_rows, x_stride, panel, i0, i1, out, h_stride); break;
-            case 5: shrink_rows<5>(x_rows, x_stride, panel, i0, i1, out, h_stride); break;
-            case 4: shrink_rows<4>(x_rows, x_stride, panel, i0, i1, out, h_stride); break;
-            case 3: shrink_rows<3>(x_rows, x_stride, panel, i0, i1, out, h_stride); break;
-            case 2: shrink_rows<2>(x_rows, x_stride, panel, i0, i1, out, h_stride); break;
-            default: shrink_rows<1>(x_rows, x_stride, panel, i0, i1, out, h_stride); break;
+            case 8: shrink_rows<8, W>(x_rows, x_stride, panel, i0, i1, out, h_stride); break;
+            case 7: shrink_rows<7, W>(x_rows, x_stride, panel, i0, i1, out, h_stride); break;
+            case 6: shrink_rows<6, W>(x_rows, x_stride, panel, i0, i1, out, h_stride); break;
+            case 5: shrink_rows<5, W>(x_rows, x_stride, panel, i0, i1, out, h_stride); break;
+            case 4: shrink_rows<4, W>(x_rows, x_stride, panel, i0, i1, out, h_stride); break;
+            case 3: shrink_rows<3, W>(x_rows, x_stride, panel, i0, i1, out, h_stride); break;
+            case 2: shrink_rows<2, W>(x_rows, x_stride, panel, i0, i1, out, h_stride); break;
+            default: shrink_rows<1, W>(x_rows, x_stride, panel, i0, i1, out, h_stride); break;
           }
         });
       }
@@ -206,7 +222,7 @@ void lora_apply_unchecked(at::Tensor& y, const at::Tensor& x, const at::Tensor& 
         const int64_t r = rank[s * P + p];
         if (r == 0) continue;
         const int64_t lo_o = std::max<int64_t>(o0, bound[p]) - o0, hi_o = std::min<int64_t>(o1, bound[p + 1]) - o0;
-        const float* out_block = bs + (s * NB + n) * R * kOutBlock;
+        const W* out_block = bs + (s * NB + n) * R * kOutBlock;
         by_rows(t1 - t0, 4, [&](int64_t t, int64_t m) {
           for (int64_t mm = 0; mm < m; ++mm) {
             const float* part = h + (h_row[g] + t0 - start[g] + t + mm) * h_stride + p * NC * RP;
@@ -218,15 +234,31 @@ void lora_apply_unchecked(at::Tensor& y, const at::Tensor& x, const at::Tensor& 
           float* y_rows = ys + (t0 + t) * y_stride + o0;
           const float sc = scale[s];
           switch (m) {
-            case 4: expand_rows<4>(h_sum.data(), R, out_block, r, y_rows, y_stride, lo_o, hi_o, sc); break;
-            case 3: expand_rows<3>(h_sum.data(), R, out_block, r, y_rows, y_stride, lo_o, hi_o, sc); break;
-            case 2: expand_rows<2>(h_sum.data(), R, out_block, r, y_rows, y_stride, lo_o, hi_o, sc); break;
-            default: expand_rows<1>(h_sum.data(), R, out_block, r, y_rows, y_stride, lo_o, hi_o, sc); break;
+            case 4: expand_rows<4, W>(h_sum.data(), R, out_block, r, y_rows, y_stride, lo_o, hi_o, sc); break;
+            case 3: expand_rows<3, W>(h_sum.data(), R, out_block, r, y_rows, y_stride, lo_o, hi_o, sc); break;
+            case 2: expand_rows<2, W>(h_sum.data(), R, out_block, r, y_rows, y_stride, lo_o, hi_o, sc); break;
+            default: expand_rows<1, W>(h_sum.data(), R, out_block, r, y_rows, y_stride, lo_o, hi_o, sc); break;
           }
         });
       }
     }
   });
+}
+
+}  // namespace
+
+namespace sluice_cpu {
+
+void lora_apply_unchecked(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
+                          const int32_t* bound, const int32_t* start, const int32_t* end, const int32_t* slot,
+                          int64_t G, const int32_t* rank, const float* scale) {
+  if (a.scalar_type() == at::kBFloat16) {
+    const auto* as = reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>());
+    const auto* bs = reinterpret_cast<const uint16_t*>(b.data_ptr<at::BFloat16>());
+    lora_apply_impl(y, x, as, bs, a, b, bound, start, end, slot, G, rank, scale);
+  } else {
+    lora_apply_impl(y, x, a.data_ptr<float>(), b.data_ptr<float>(), a, b, bound, start, end, slot, G, rank, scale);
+  }
 }
 
 void lora_apply_(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
