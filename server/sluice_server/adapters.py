@@ -173,16 +173,17 @@ class AdapterSlots:
     def nbytes(self) -> int:
         return sum(m.lora.nbytes for m in self.layers.values() if m.lora is not None)
 
-    def allocate(self, kernel: str = "torch") -> int:
-        """Stacks for every adapted layer (zeros: every slot empty), applied
-        by `kernel` (layers.lora.KERNELS); returns their bytes. Again after a
-        second warmup: the slots start empty."""
+    def allocate(self, kernel: str = "torch", dtype: torch.dtype | None = None) -> int:
+        """Stacks of `dtype` (default: the model's) for every adapted layer
+        (zeros: every slot empty), applied by `kernel` (layers.lora.KERNELS);
+        returns their bytes. Again after a second warmup: the slots start
+        empty."""
         if not self.enabled:
             return 0
         if kernel not in KERNELS:
             raise ValueError(f"LoRA kernel {kernel!r} is not one of {', '.join(KERNELS)}")
         param = next(self.model.parameters())
-        dtype, device = param.dtype, param.device
+        dtype, device = dtype or param.dtype, param.device
         self.context = LoraContext(scales=torch.zeros(self.max_loras, dtype=torch.float32, device=device), kernel=kernel)
         self.loaded = [None] * self.max_loras
         for module in self.layers.values():

@@ -7,6 +7,7 @@
                   [--cpu-block-rows N] [--num-threads N]
                   [--attention-backend auto|torch|triton] [--json-output]
                   [--max-loras N] [--max-lora-rank R] [--lora-root DIR ...]
+                  [--lora-dtype auto|float32|bfloat16]
         Rank r (RANK, default 0) listens on unix://PATH-r and logs
         "Server started at unix://PATH-r" once it accepts calls.
         SIGTERM/SIGINT: stop, remove the socket, exit 0.
@@ -36,7 +37,7 @@ import time
 from pathlib import Path
 
 from sluice_server import telemetry
-from sluice_server.options import CPU_KERNEL_MODES, KV_CACHE_DTYPES, ShardOptions
+from sluice_server.options import CPU_KERNEL_MODES, KV_CACHE_DTYPES, LORA_DTYPES, ShardOptions
 
 log = logging.getLogger("sluice_server")
 
@@ -109,6 +110,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     serve.add_argument("--max-lora-rank", type=int, default=64, help="the highest rank an adapter may have")
     serve.add_argument("--lora-root", action="append", default=[], type=Path,
                        help="a folder adapters may be loaded from (repeat for several)")
+    serve.add_argument("--lora-dtype", default="auto", choices=LORA_DTYPES,
+                       help="LoRA adapter stacks' element type; auto: bfloat16 on the CPU fast path (--dtype auto "
+                            "on a GGUF's int8 blocks), else float32 on CPU and the model's dtype on CUDA")
     serve.add_argument("--json-output", action="store_true")
     serve.add_argument("--otlp-endpoint", default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
                        help="OTLP/gRPC collector for traces (tracing is off when unset)")
@@ -145,7 +149,7 @@ async def serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--block-size must be > 0, got {args.block_size}")
     options = ShardOptions(
         kv_cache_dtype=args.kv_cache_dtype, cpu_kernels=args.cpu_kernels, cpu_block_rows=args.cpu_block_rows,
-        expert_parallel=args.expert_parallel,
+        expert_parallel=args.expert_parallel, lora_dtype=args.lora_dtype,
     )
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -32,7 +32,7 @@ from sluice_server.layers.linear import pack_linear_weights, weight_bytes
 from sluice_server.layers.moe import FusedMoE
 from sluice_server.models import build_model, load_weights, parameter_counts
 from sluice_server.models.llama_cpu_decoder import LlamaCpuDecoder, build_llama_cpu_decoder
-from sluice_server.options import KV_CACHE_DTYPES, ShardOptions
+from sluice_server.options import KV_CACHE_DTYPES, LORA_DTYPES, ShardOptions
 from sluice_server.pb import shard_pb2
 
 log = logging.getLogger(__name__)
@@ -113,6 +113,37 @@ def choose_kv_dtype(
             f"({model}); other cache dtypes run on CPU only"
         )
     return DTYPES[requested]
+
+
+def choose_lora_dtype(
+    dtype: torch.dtype, plan: CpuMatmuls | None, kernel: str, requested: str = "auto"
+) -> torch.dtype:
+    """The LoRA adapter stacks' element type (--lora-dtype `requested`) for
+    the grouped matmul `kernel` (layers.lora.KERNELS). The C++ kernel
+    ("cpu", float32 models only) reads float32 or bfloat16 stacks; auto
+    picks bfloat16 on the CPU fast path (`--dtype auto` with int8
+    activations on GGUF blocks, as the KV cache's auto does): a decode step
+    with adapters there is bound by reading their stacks, bf16 halves those
+    bytes, and the base model's arithmetic is already not float32's. The
+    kernel widens each element exactly, so the stacks' rounding is the whole
+    difference (benchmarks/lora_bench.py --quality measures it). Elsewhere
+    auto keeps float32, so `--dtype float32` stays the peft oracle's
+    arithmetic. The torch and Triton paths keep the model's dtype and refuse
+    another one."""
+    if requested not in LORA_DTYPES:
+        raise ValueError(f"--lora-dtype {requested!r} is not one of {', '.join(LORA_DTYPES)}")
+    if kernel == "cpu":
+        if requested == "auto":
+            fast = plan is not None and plan.int8 and plan.block_rows > 0
+            return torch.bfloat16 if fast else torch.float32
+        return DTYPES[requested]
+    if requested != "auto" and DTYPES[requested] != dtype:
+        model = str(dtype).removeprefix("torch.")
+        raise ValueError(
+            f"--lora-dtype {requested}: the {kernel} LoRA path keeps adapters in the model's dtype ({model}); "
+            "other LoRA dtypes run on the C++ CPU kernel only (a CPU shard with the CPU kernels and float32 weights)"
+        )
+    return dtype
 
 
 def eos_token_ids(folder: Path, config: dict) -> list[int]:
@@ -264,8 +295,9 @@ class ModelRunner:
         log.info("parameters: %s total, %s active per token", f"{self.total_parameters:,}",
                  f"{self.active_parameters:,}")
         self.kv_cache: KVCache | None = None
-        # Allocated at warmup, beside the KV cache.
+        # Allocated at warmup, beside the KV cache, in this dtype.
         self.adapters = AdapterSlots(self.model, max_loras, max_lora_rank, list(lora_roots))
+        self.lora_dtype = choose_lora_dtype(self.dtype, self.cpu_matmuls, self.lora_kernel(), options.lora_dtype)
 
     def _prepare_cpu_weights(self, requested_dtype: str) -> CpuMatmuls:
         """Attaches the GGUF blocks and packs the dense weights as the plan
@@ -494,7 +526,7 @@ class ModelRunner:
         if min(max_batch_prefill_tokens, max_batch_size, max_total_tokens) == 0:
             raise ValueError("warmup limits must all be > 0")
         self.kv_cache = None
-        lora_bytes = self.adapters.allocate(self.lora_kernel())
+        lora_bytes = self.adapters.allocate(self.lora_kernel(), self.lora_dtype)
         if self.cpu_decoder is not None and self.adapters.enabled:
             self.cpu_decoder.attach_lora()
         if self.device.type == "cuda":
@@ -528,8 +560,9 @@ class ModelRunner:
         )
         if self.adapters.enabled:
             log.info(
-                "LoRA: %d adapter slots of rank <= %d (%.1f MiB), applied by the %s grouped matmul",
-                self.adapters.max_loras, self.adapters.max_rank, lora_bytes / 2**20, self.lora_kernel(),
+                "LoRA: %d adapter slots of rank <= %d (%.1f MiB, %s), applied by the %s grouped matmul",
+                self.adapters.max_loras, self.adapters.max_rank, lora_bytes / 2**20,
+                str(self.lora_dtype).removeprefix("torch."), self.lora_kernel(),
             )
         return WarmupResult(
             num_blocks=num_blocks, kv_cache_bytes=cache.nbytes, compilation_pending=self.backend.compiles_lazily,

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+LORA_DTYPES = ("auto", "float32", "bfloat16")
 CPU_KERNEL_MODES = ("auto", "on", "off")
 
 
@@ -30,10 +31,15 @@ class ShardOptions:
     # --expert-parallel: with several shards, each holds E / N whole experts
     # of every expert layer instead of a slice of every expert (layers/moe.py).
     expert_parallel: bool = False
+    # --lora-dtype: the element type of the LoRA adapter stacks; auto picks
+    # it by path (model_runner.choose_lora_dtype).
+    lora_dtype: str = "auto"
 
     def __post_init__(self):
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.lora_dtype not in LORA_DTYPES:
+            raise ValueError(f"--lora-dtype {self.lora_dtype!r} is not one of {', '.join(LORA_DTYPES)}")
         if self.cpu_kernels not in CPU_KERNEL_MODES:
             raise ValueError(f"--cpu-kernels {self.cpu_kernels!r} is not one of {', '.join(CPU_KERNEL_MODES)}")
         if self.cpu_block_rows is not None and self.cpu_block_rows < 0:

@@ -100,6 +100,7 @@ class Shard:
             max_loras=r.adapters.max_loras,
             max_lora_rank=r.adapters.max_rank,
             expert_parallel=r.expert_parallel,
+            lora_dtype=str(r.lora_dtype).removeprefix("torch.") if r.adapters.enabled else "",
         )
 
     def warmup(self, req: shard_pb2.WarmupRequest) -> shard_pb2.WarmupResponse:

@@ -8,7 +8,7 @@ import torch
 
 from sluice_kernels import cpu_kernels
 from sluice_kernels.cpu_matmuls import ALL_ROWS, CpuMatmuls, plan_cpu_matmuls
-from sluice_server.model_runner import ModelRunner, choose_dtype, choose_kv_dtype
+from sluice_server.model_runner import ModelRunner, choose_dtype, choose_kv_dtype, choose_lora_dtype
 from sluice_server.models import model_class
 
 from conftest import Driver, make_tiny_model, reference_logits
@@ -268,6 +268,34 @@ def test_kv_cache_dtype_refusals_name_the_choices():
         choose_kv_dtype(torch.float32, INT8_PLAN, "fp8")
     with pytest.raises(ValueError, match=r"--kv-cache-dtype bfloat16: a cuda shard keeps its KV cache in the model's dtype \(float16\)"):
         choose_kv_dtype(torch.float16, None, "bfloat16", "cuda")
+
+
+@pytest.mark.parametrize(
+    "dtype,plan,kernel,requested,want",
+    [
+        (torch.float32, INT8_PLAN, "cpu", "auto", torch.bfloat16),  # --dtype auto on GGUF blocks
+        (torch.float32, CpuMatmuls(True, ALL_ROWS, None), "cpu", "auto", torch.bfloat16),
+        (torch.float32, EXACT_PLAN, "cpu", "auto", torch.float32),  # --dtype float32: peft's arithmetic
+        (torch.float32, NO_BLOCKS, "cpu", "auto", torch.float32),
+        (torch.float32, None, "cpu", "auto", torch.float32),
+        (torch.bfloat16, NO_BLOCKS, "torch", "auto", torch.bfloat16),  # the other paths: the model's dtype
+        (torch.float16, None, "triton", "auto", torch.float16),
+        # --lora-dtype: either on the C++ kernel, the model's elsewhere.
+        (torch.float32, INT8_PLAN, "cpu", "float32", torch.float32),
+        (torch.float32, EXACT_PLAN, "cpu", "bfloat16", torch.bfloat16),
+        (torch.bfloat16, None, "triton", "bfloat16", torch.bfloat16),
+    ],
+)
+def test_lora_dtype(dtype, plan, kernel, requested, want):
+    assert choose_lora_dtype(dtype, plan, kernel, requested) == want
+
+
+def test_lora_dtype_refusals_name_the_choices():
+    with pytest.raises(ValueError, match="--lora-dtype 'fp8' is not one of auto, float32, bfloat16"):
+        choose_lora_dtype(torch.float32, INT8_PLAN, "cpu", "fp8")
+    with pytest.raises(ValueError, match=r"--lora-dtype bfloat16: the torch LoRA path keeps adapters in the "
+                                         r"model's dtype \(float32\)"):
+        choose_lora_dtype(torch.float32, None, "torch", "bfloat16")
 
 
 def test_unknown_dtype_names_the_choices():

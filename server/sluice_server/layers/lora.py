@@ -15,6 +15,8 @@ For the C++ kernel the stacks are held in its packed layout instead
 (sluice_kernels.lora: A in panels of 16 ranks along the inputs, B in
 blocks of 64 outputs along the ranks), written as adapters load, so no
 step reorders them; `LoraWeights.write_` hides which layout a layer holds.
+Its stacks are float32 or bfloat16 (--lora-dtype, chosen by
+model_runner.choose_lora_dtype); the other kernels' are the model's dtype.
 
 The step's rows are grouped by slot (batch.build_batch sorts decodes and
 prefill chunks by slot), so each adapter is one segment of consecutive rows
@@ -127,11 +129,12 @@ class LoraWeights:
     @classmethod
     def zeros(cls, slots: int, pieces: int, rank: int, in_features: int, bounds: list[int], dtype: torch.dtype,
               device: torch.device, context: LoraContext) -> "LoraWeights":
-        """Empty stacks for every slot, in the layout `context.kernel` reads."""
+        """Empty stacks of `dtype` for every slot, in the layout
+        `context.kernel` reads."""
         a = torch.zeros(slots, pieces, rank, in_features, dtype=dtype, device=device)
         b = torch.zeros(slots, bounds[-1], rank, dtype=dtype, device=device)
         if context.kernel == "cpu":
-            a, b = lora_pack_cpu(a, b)
+            a, b = lora_pack_cpu(a, b, dtype)
         return cls(a=a, b=b, bounds=bounds, context=context)
 
     def __post_init__(self):

@@ -71,8 +71,8 @@ class LlamaCpuDecoder:
 
     def attach_lora(self) -> bool:
         """Gives the engine the LoRA stacks of every adapted linear layer
-        (float32, the C++ grouped matmul's); True when it can then run steps
-        with adapter rows."""
+        (packed for the C++ grouped matmul, float32 or bfloat16); True when
+        it can then run steps with adapter rows."""
         loras = [(i, j, m.lora) for i, j, m in self.linears() if m.lora is not None]
         if not loras or not all(lora.packed for _, _, lora in loras):
             self.lora_scales = None
