@@ -11,6 +11,8 @@ served by a real launcher, against transformers + peft in float32.
   first, then to each adapter: a prefix cache shared between adapters would
   hand an adapter the base model's keys and values, and its tokens would
   differ.
+- On the default CPU path (`--dtype auto`) the stacks are bfloat16: /info
+  says so, and an adapter's tokens do not depend on what shares its steps.
 - Adapters loaded and unloaded while requests run: none fails, each gets
   the tokens it gets alone, and the KV blocks and adapter slots are back at
   their baseline after.
@@ -286,7 +288,9 @@ def test_models_lists_the_adapters_with_the_base_as_parent(tiny, tiny_root):
         assert Path(cards[name]["root"]) == tiny_root / name
     info = httpx.get(f"{tiny.base_url}/info", timeout=30).json()
     assert info["lora"]["max_loras"] == 2 and info["lora"]["max_lora_rank"] == 8 and info["lora"]["lora_bytes"] > 0
-    assert "applied by the cpu grouped matmul" in "\n".join(tiny.head)
+    # A float32 model without GGUF blocks: float32 stacks (--lora-dtype auto), as peft computes.
+    assert info["lora"]["lora_dtype"] == "float32"
+    assert "float32), applied by the cpu grouped matmul" in "\n".join(tiny.head)
 
 
 def test_the_prefix_cache_is_per_adapter(tiny):
@@ -434,13 +438,58 @@ def bundled(model_dir, tmp_path_factory):
 def test_bundled_model_adapters_equal_peft_alone_and_mixed(bundled, model_dir):
     server, folders = bundled
     info = httpx.get(f"{server.base_url}/info", timeout=30).json()
-    assert info["model_dtype"] == "float32"
+    assert info["model_dtype"] == "float32" and info["lora"]["lora_dtype"] == "float32"
     # Only in flight: one request at a time on this model costs minutes on
     # CPU, and the tiny model's test covers requests alone and the OpenAI API.
     check_against_peft(server, model_dir, folders, BUNDLED_PROMPTS, BUNDLED_TOKENS, solo=False,
                        concurrent=BUNDLED_CONCURRENT)
     config = json.loads((folders["bea"] / "adapter_config.json").read_text())
     assert config["use_rslora"] and config["r"] == 8
+
+
+def test_fast_path_serves_adapters_from_bfloat16_stacks(model_dir, tmp_path):
+    """The default path (`--dtype auto` on the bundled GGUF: int8 activations
+    on its blocks) keeps the adapters' stacks in bfloat16 (--lora-dtype
+    auto): /info and the startup log say so, adapter B changes the greedy
+    tokens, and B's tokens are the same alone and while base and adapter-A
+    requests share its steps (each row gets its own adapter's update,
+    whatever else the step holds). A step budget of 16 tokens keeps the
+    steps on the block kernels, as in test_cpu_fast_path.py; the error
+    against float32 stacks is server/tests/test_cpu_decoder.py's."""
+    folders = make_adapters(model_dir, tmp_path / "adapters", b_std=0.1)
+    server = start_launcher(
+        "--max-batch-prefill-tokens", "16", "--max-total-tokens", "256", "--max-input-tokens", "128",
+        "--kv-cache-bytes", str(64 * 2**20), *adapter_flags(folders), "--max-lora-rank", "8",
+        tmp=tmp_path / "server",
+    )
+    try:
+        url = server.base_url
+        info = httpx.get(f"{url}/info", timeout=30).json()
+        assert info["cpu_matmuls"].startswith("int8 activations on GGUF blocks"), info["cpu_matmuls"]
+        assert info["lora"]["lora_dtype"] == "bfloat16"
+        assert "bfloat16), applied by the cpu grouped matmul" in "\n".join(server.head)
+        prompt, other = BUNDLED_PROMPTS
+        alone = tgi_ids(url, prompt, "bea", 48)
+        assert alone != tgi_ids(url, prompt, None, 48), "adapter B changes nothing"
+
+        async def shared():
+            client = AsyncInferenceClient(base_url=url, timeout=600)
+            started = asyncio.Event()
+            ours = asyncio.create_task(tgi_ids_async(client, prompt, "bea", 48, started))
+            await started.wait()  # its prompt is prefilled; the others join its decode steps now
+            firsts = [asyncio.Event() for _ in range(3)]
+            others = [asyncio.create_task(tgi_ids_async(client, p, m, 16, e))
+                      for (p, m), e in zip([(other, None), (other, "ada"), (prompt, None)], firsts)]
+            got = await ours
+            joined = sum(e.is_set() for e in firsts)
+            return got, await asyncio.gather(*others), joined
+
+        together, rest, joined = asyncio.run(shared())
+        assert together == alone
+        assert all(rest)
+        assert joined > 0, "no other request got a token while B's decoded"
+    finally:
+        server.stop()
 
 
 # --- adapters from the Hub cache ----------------------------------------------------

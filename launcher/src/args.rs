@@ -120,6 +120,13 @@ pub struct Args {
     #[arg(long, env = "SLUICE_LORA_ROOT")]
     pub lora_root: Option<PathBuf>,
 
+    /// The LoRA adapter stacks' element type. Default (`auto`): bfloat16 on the CPU fast path
+    /// (`--dtype auto` on a GGUF's int8 blocks: half the bytes a decode step with adapters
+    /// reads; each weight rounded to bf16), else float32 on CPU and the model's dtype on CUDA.
+    /// `float32` and `bfloat16` are for CPU shards with float32 weights. Shown in /info.
+    #[arg(long, env = "SLUICE_LORA_DTYPE", value_parser = ["auto", "float32", "bfloat16"])]
+    pub lora_dtype: Option<String>,
+
     /// The flags the router has too (HTTP, limits, API, timeouts, telemetry, cost,
     /// speculation): declared once, in the router crate, and handed on to the router.
     #[command(flatten)]

@@ -75,6 +75,9 @@ pub fn command(server: &Path, args: &Args, sockets: &ShardSockets, model_dir: &P
     if max_loras > 0 {
         command.arg("--max-loras").arg(max_loras.to_string());
         command.arg("--max-lora-rank").arg(args.max_lora_rank.to_string());
+        if let Some(dtype) = &args.lora_dtype {
+            command.arg("--lora-dtype").arg(dtype);
+        }
         // Adapters load from --lora-root, or from the folders named at start.
         let roots = args.lora_root.iter().map(|root| root.as_os_str().to_owned());
         for root in roots.chain(args.serving.lora_adapters.iter().map(|a| a.path.clone().into())) {
@@ -259,6 +262,11 @@ mod tests {
             args_given[at..],
             ["--max-loras", "4", "--max-lora-rank", "8", "--lora-root", "/roots/a", "--lora-root", "/x/sql"]
         );
+        let args = test_args(&["--lora-root", "/roots/a", "--lora-dtype", "float32"]);
+        let cmd = command(Path::new("srv"), &args, &sockets(&args), Path::new("/m"), 0);
+        let args_given = argv(&cmd);
+        let at = args_given.iter().position(|a| a == "--lora-dtype").expect("--lora-dtype passed");
+        assert_eq!(args_given[at + 1], "float32");
         let args = test_args(&[]);
         let cmd = command(Path::new("srv"), &args, &sockets(&args), Path::new("/m"), 0);
         assert!(!argv(&cmd).iter().any(|a| a.contains("lora")), "no LoRA flags without adapters");

@@ -284,6 +284,7 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
                 max_loras: shard_info.max_loras,
                 max_lora_rank: shard_info.max_lora_rank,
                 lora_bytes: warmed.lora_bytes,
+                lora_dtype: shard_info.lora_dtype.clone(),
             }),
         },
         responses: Arc::new(ResponseStore::new(

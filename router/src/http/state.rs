@@ -84,6 +84,9 @@ pub struct LoraInfo {
     pub max_lora_rank: u32,
     /// Bytes the adapter slots take on each shard.
     pub lora_bytes: u64,
+    /// The adapter stacks' element type (`--lora-dtype`: "float32",
+    /// "bfloat16"; on CUDA the model's dtype).
+    pub lora_dtype: String,
 }
 
 /// `/info`'s view of `--speculate` and its settings.

@@ -145,7 +145,12 @@ fn build_with_shard(setup: Setup) -> (Router, Arc<AppState>, FakeShardHandle) {
             batch_min_share: 0.1,
             batch_step_slack: 0.1,
             reasoning_parser: setup.reasoning.map(|kind| kind.name().to_string()),
-            lora: (max_loras > 0).then_some(super::LoraInfo { max_loras, max_lora_rank: 16, lora_bytes: 1024 }),
+            lora: (max_loras > 0).then_some(super::LoraInfo {
+                max_loras,
+                max_lora_rank: 16,
+                lora_bytes: 1024,
+                lora_dtype: "bfloat16".into(),
+            }),
         },
         metrics: crate::metrics::install(),
         draining: Arc::new(AtomicBool::new(false)),

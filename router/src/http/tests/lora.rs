@@ -168,6 +168,7 @@ async fn more_adapters_than_slots_take_turns() {
     }
     let (_, info) = post_get(&app, "/info").await;
     assert_eq!(info["lora"]["max_loras"], 1);
+    assert_eq!(info["lora"]["lora_dtype"], "bfloat16", "the shard's stack dtype, passed through");
     let models = [Some("p"), Some("q"), Some("r"), None, Some("q"), Some("p")];
     let answers = futures::future::join_all(models.map(|model| generated(&app, model))).await;
     for (model, (ids, _)) in models.iter().zip(answers) {
