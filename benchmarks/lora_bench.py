@@ -10,10 +10,14 @@ concurrency runs the same random workload (same seed: same prompts) with
 each request's `model` taken in turn from: the base model only, 1 adapter,
 4 adapters, 16 adapters. It reports output tokens/s per run and each mixed
 run's loss against the base run at the same concurrency; the goal is a loss
-of at most 15% with 4 adapters.
+of at most 15% with 4 adapters. With `--rounds N` (default 3) every
+concurrency runs its adapter counts N times, interleaved (base, 1, 4, 16,
+base, 1, ...), and the table reads the median of each: a busy neighbour
+on a shared host then slows some runs of every kind, not all runs of one.
 
     python benchmarks/lora_bench.py                        # the bundled model, c=8 and c=32
-    python benchmarks/lora_bench.py --num-prompts 4 --output-len 8 --concurrency 2 --adapters 0 4   # smoke run
+    python benchmarks/lora_bench.py --num-prompts 4 --output-len 8 --concurrency 2 --adapters 0 4 --rounds 1   # smoke run
+    python benchmarks/lora_bench.py --launcher-arg=--lora-dtype=float32   # the float32 stacks
     python benchmarks/lora_bench.py --launcher-arg=--dtype=bfloat16 --rank 16
 
 Measure on a quiet machine and name the host (lscpu or nvidia-smi) with the figures.
@@ -26,6 +30,7 @@ import asyncio
 import contextlib
 import json
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -56,6 +61,7 @@ def parse_args(argv=None):
     p.add_argument("--input-words", type=int, default=128, help="words per prompt")
     p.add_argument("--output-len", type=int, default=128, help="output tokens per request (ignore_eos)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved runs of each adapter count (median reported)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per request")
     p.add_argument("--out", help="write the runs as JSON here")
     return p.parse_args(argv)
@@ -122,13 +128,25 @@ async def run(args, url: str, models: list[str], texts: list[str], concurrency: 
             "output_tokens_per_s": sum(tokens) / seconds}
 
 
+def medians(runs: list[dict]) -> list[dict]:
+    """One row per (concurrency, adapters), in first-run order: the median
+    output tok/s of its rounds, with every round's figure."""
+    groups: dict[tuple[int, int], list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["concurrency"], r["adapters"]), []).append(r)
+    return [{"concurrency": c, "adapters": n, "rounds": [r["output_tokens_per_s"] for r in group],
+             "output_tokens_per_s": statistics.median(r["output_tokens_per_s"] for r in group)}
+            for (c, n), group in groups.items()]
+
+
 def table(rows: list[dict]) -> str:
-    lines = [f"{'c':>4}{'adapters':>10}{'tok/s':>10}{'vs base':>9}"]
+    lines = [f"{'c':>4}{'adapters':>10}{'tok/s':>10}{'vs base':>9}  rounds"]
     base = {r["concurrency"]: r["output_tokens_per_s"] for r in rows if r["adapters"] == 0}
     for r in rows:
         ref = base.get(r["concurrency"])
         loss = f"{r['output_tokens_per_s'] / ref - 1:+.1%}" if ref and r["adapters"] else "-"
-        lines.append(f"{r['concurrency']:>4}{r['adapters'] or 'base':>10}{r['output_tokens_per_s']:>10.1f}{loss:>9}")
+        rounds = " ".join(f"{v:.1f}" for v in r.get("rounds", []))
+        lines.append(f"{r['concurrency']:>4}{r['adapters'] or 'base':>10}{r['output_tokens_per_s']:>10.1f}{loss:>9}  {rounds}")
     at4 = [r["output_tokens_per_s"] / base[r["concurrency"]] for r in rows if r["adapters"] == 4 and base.get(r["concurrency"])]
     if at4:
         worst = 1 - min(at4)
@@ -148,18 +166,21 @@ def main(argv=None) -> int:
             with server(args, base, adapters) as url:
                 served = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
                 for c in args.concurrency:
-                    for n in args.adapters:
-                        models = list(adapters)[:n] or [served]
-                        row = {"adapters": n, **asyncio.run(run(args, url, models, texts, c))}
-                        print(f"c={c} adapters={n}: {row['output_tokens_per_s']:.1f} tok/s, "
-                              f"{row['completed']} done, {row['failed']} failed", flush=True)
-                        rows.append(row)
+                    for round_ in range(args.rounds):
+                        for n in args.adapters:
+                            models = list(adapters)[:n] or [served]
+                            row = {"adapters": n, "round": round_, **asyncio.run(run(args, url, models, texts, c))}
+                            print(f"c={c} adapters={n} round {round_ + 1}/{args.rounds}: "
+                                  f"{row['output_tokens_per_s']:.1f} tok/s, {row['completed']} done, "
+                                  f"{row['failed']} failed", flush=True)
+                            rows.append(row)
     except (RuntimeError, ValueError, FileNotFoundError, httpx.HTTPError) as e:
         print(f"lora_bench.py: error: {e}", file=sys.stderr)
         return 2
-    print(table(rows))
+    print(table(medians(rows)))
     if args.out:
-        doc = {"benchmark": "lora", "versions": versions(), "args": vars(args), "runs": rows}
+        doc = {"benchmark": "lora", "versions": versions(), "args": vars(args), "runs": rows,
+               "medians": medians(rows)}
         Path(args.out).write_text(json.dumps(doc, indent=2, default=str) + "\n")
         print(f"wrote {args.out}")
     return 0 if all(r["completed"] and not r["failed"] for r in rows) else 1
