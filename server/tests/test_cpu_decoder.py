@@ -239,13 +239,12 @@ def test_the_cpu_decoder_applies_lora_as_the_python_forward(lora_runner):
 BF16_STACKS_ROW_BOUND = 2e-3
 
 
+@pytest.mark.parametrize("lora_runner", ["bfloat16"], indirect=True)
 def test_bfloat16_stacks_stay_close_to_float32(lora_runner):
     """The error --lora-dtype bfloat16 adds, on the exact path (float32
     weights: the rounding of the adapters is the only difference), through
     the prefill (Python) and decode (C++ decoder) steps of base and adapter
     rows."""
-    if lora_runner.lora_dtype != torch.bfloat16:
-        pytest.skip("compares the bfloat16 runner's stacks with float32 ones")
     prompts = [[1, 200, 4000, 17, 30, 31, 99, 5], [2, 201, 3999, 16, 8], [3, 202, 3998, 15, 90, 91]]
     slots = [1, 2, 0]
 
