@@ -13,7 +13,14 @@ import pytest
 import torch
 
 from sluice_kernels import cpu_kernels
-from sluice_kernels.lora import lora_apply_cpu, lora_apply_reference, lora_pack_cpu, lora_write_cpu_
+from sluice_kernels.lora import (
+    check_rows,
+    lora_apply_cpu,
+    lora_apply_reference,
+    lora_dims,
+    lora_pack_cpu,
+    lora_write_cpu_,
+)
 
 from .kernel_cases import TOLERANCES, device
 
@@ -183,6 +190,18 @@ def test_cpu_kernel_on_strided_rows_and_bad_inputs():
         lora_apply_cpu(y, x, pa.bfloat16(), pb, bounds, starts, ends, slots, ranks, scales)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         lora_pack_cpu(a, b, torch.float16)
+
+
+def test_check_rows_refuses_what_the_kernel_would_misread():
+    """The per-call check of callers that check stacks and segments once:
+    rows, widths, contiguous rows and (packed) float32."""
+    y, x, a, b, scales = case(torch.float32, seed=7)
+    dims = lora_dims(*lora_pack_cpu(a, b, torch.bfloat16), packed=True, out_features=BOUNDS[-1])
+    check_rows(y, x, dims, ROWS, packed=True)
+    for bad_y, bad_x, rows in ((y, x, ROWS - 1), (y[:, :-1], x, ROWS), (y, x.t().contiguous().t(), ROWS),
+                               (y.double(), x, ROWS)):
+        with pytest.raises(ValueError):
+            check_rows(bad_y, bad_x, dims, rows, packed=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -327,10 +327,12 @@ class AdapterSlots:
 
     @contextlib.contextmanager
     def applied(self, segments: LoraSegments | None):
-        """The step's segments, seen by every adapted layer while inside."""
+        """The step's segments (checked here, once per step), seen by every
+        adapted layer while inside."""
         if self.context is None or segments is None:
             yield
             return
+        segments.check(self.max_loras)
         self.context.segments = segments
         try:
             yield

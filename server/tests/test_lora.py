@@ -83,8 +83,22 @@ def test_segments_group_rows_by_slot():
     # Sequences (rows, slot) in batch order: decodes, then two chunks.
     segments = build_segments([1, 1, 1, 1, 1, 3, 2, 4], [0, 2, 2, 1, 0, 0, 2, 2], torch.device("cpu"))
     assert list(zip(segments.starts, segments.ends, segments.slots)) == [(1, 3, 1), (3, 4, 0), (8, 14, 1)]
-    assert segments.slots_t.tolist() == [1, 0, 1] and segments.rows == 9
+    assert segments.slots_t.tolist() == [1, 0, 1] and segments.rows == 9 and segments.step_rows == 14
     assert build_segments([1, 5], [0, 0], torch.device("cpu")) is None
+
+
+def test_a_steps_segments_are_checked_once_for_every_layer(runner):
+    """The layers call the kernel without checking the segments' values
+    (120 calls a step on the bundled model): the step checks them when it
+    starts, and a segment past the step's rows or on a slot that does not
+    exist stops it before any layer reads it."""
+    for lens, slots, rows in (([2, 3], [1, 2], 4), ([2, 3], [1, 4], 5)):
+        segments = build_segments(lens, slots, torch.device("cpu"))
+        segments.step_rows = rows
+        with pytest.raises(ValueError, match="not inside the 4 rows|not below 3"):
+            with runner.adapters.applied(segments):
+                pytest.fail("the step ran on bad segments")
+    assert runner.adapters.context.segments is None
 
 
 def test_mixed_step_matches_peft(base, root, runner):

@@ -40,7 +40,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sluice_kernels.lora import lora_apply_cpu, lora_apply_reference, lora_dims, lora_pack_cpu, lora_write_cpu_
+from sluice_kernels.lora import (
+    check_rows,
+    check_segments,
+    lora_apply_reference,
+    lora_dims,
+    lora_pack_cpu,
+    lora_write_cpu_,
+)
 
 KERNELS = ("torch", "cpu", "triton")
 
@@ -50,8 +57,8 @@ class LoraSegments:
     """A step's runs of rows that share an adapter, base-model rows left out.
 
     Segment i is rows [starts[i], ends[i]) on stack index slots[i] (the
-    proto's adapter slot - 1). The int32 tensors hold the same numbers on the
-    model's device, for the kernels."""
+    proto's adapter slot - 1), of the step's `step_rows` rows. The int32
+    tensors hold the same numbers on the model's device, for the kernels."""
 
     starts: list[int]
     ends: list[int]
@@ -59,6 +66,12 @@ class LoraSegments:
     starts_t: torch.Tensor
     ends_t: torch.Tensor
     slots_t: torch.Tensor
+    step_rows: int
+
+    def check(self, slots: int) -> None:
+        """ValueError unless every segment lies in the step's rows, on a
+        stack index below `slots`: once per step, for every layer's call."""
+        check_segments(self.starts_t, self.ends_t, self.slots_t, self.step_rows, slots)
 
     @property
     def rows(self) -> int:
@@ -95,7 +108,7 @@ def build_segments(query_lens: list[int], slots: list[int], device: torch.device
     def tensor(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32).to(device)
 
-    return LoraSegments(starts, ends, stack, tensor(starts), tensor(ends), tensor(stack))
+    return LoraSegments(starts, ends, stack, tensor(starts), tensor(ends), tensor(stack), row)
 
 
 @dataclass
@@ -140,6 +153,7 @@ class LoraWeights:
     def __post_init__(self):
         self.packed = self.context.kernel == "cpu"
         dims = lora_dims(self.a, self.b, self.packed, self.bounds[-1])
+        self.dims = dims
         self.rank = dims.rank
         slots, pieces = dims.slots, dims.pieces
         self.ranks = torch.zeros(slots, pieces, dtype=torch.int32, device=self.a.device)
@@ -180,8 +194,11 @@ class LoraWeights:
             return
         kernel = self.context.kernel
         if kernel == "cpu":
-            lora_apply_cpu(y, x, self.a, self.b, self.bounds_t, seg.starts_t, seg.ends_t, seg.slots_t,
-                           self.ranks, self.context.scales)
+            # The stacks were checked when made (lora_dims), the segments
+            # when the step began (AdapterSlots.applied): only the rows here.
+            check_rows(y, x, self.dims, seg.step_rows, packed=True)
+            torch.ops.sluice_cpu.lora_apply_(y, x, self.a, self.b, self.bounds_t, seg.starts_t, seg.ends_t,
+                                             seg.slots_t, self.ranks, self.context.scales)
         elif kernel == "triton":
             from sluice_kernels.triton.lora import lora_apply_triton
 
