@@ -42,12 +42,23 @@ def free_port() -> int:
 
 
 def is_alive(pid: int) -> bool:
-    """The process exists and is not a zombie (one waiting to be reaped)."""
+    """The process exists and is not a zombie (one waiting to be reaped):
+    some thread of it is not a zombie. A killed process's main thread can be
+    a zombie while its other threads still exit, and its files (and the
+    locks on them, e.g. the Batch API's SQLite store) are let go only when
+    the last one has."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        threads = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return False
+    for tid in threads:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    return True
+        except OSError:
+            continue  # that thread is gone
+    return False
 
 
 def wait_gone(pids: list[int], timeout: float = 60) -> list[int]:
