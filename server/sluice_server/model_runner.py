@@ -126,7 +126,8 @@ def choose_lora_dtype(
     with adapters there is bound by reading their stacks, bf16 halves those
     bytes, and the base model's arithmetic is already not float32's. The
     kernel widens each element exactly, so the stacks' rounding is the whole
-    difference (benchmarks/lora_bench.py --quality measures it). Elsewhere
+    difference (server/tests/test_cpu_decoder.py bounds it against float32
+    stacks). Elsewhere
     auto keeps float32, so `--dtype float32` stays the peft oracle's
     arithmetic. The torch and Triton paths keep the model's dtype and refuse
     another one."""
