@@ -36,9 +36,10 @@ def test_rows_are_the_expanded_weight_bit_for_bit(fmt):
 
 def test_rows_of_a_layer_of_mixed_types():
     """Q6_K beside Q8_0 and Q4_K: one scale pair per 16 weights (layout 4)."""
-    parts = [gguf_blocks.unpack(t, random_blocks(t, 8 + 5 * i, 256, i), 256) for i, t in enumerate(("Q4_K", "Q6_K", "Q8_0"))]
+    types = ("Q4_K", "Q6_K", "Q8_0")
+    parts = [gguf_blocks.unpack(t, random_blocks(t, 8 + 5 * i, 256, i), 256) for i, t in enumerate(types)]
     records = gguf_blocks.Records(*(np.concatenate(a) for a in zip(*((p.sw, p.cw, p.wq) for p in parts))))
-    layout = gguf_blocks.layout({"Q4_K", "Q6_K", "Q8_0"}, records)
+    layout = gguf_blocks.layout(set(types), records)
     assert layout == gguf_blocks.U8_HALVES
     ids = torch.arange(len(records.wq)).flip(0)
     assert torch.equal(weight(records, layout).rows(ids), torch.from_numpy(records.expand())[ids])

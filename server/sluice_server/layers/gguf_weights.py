@@ -7,10 +7,10 @@ whole cost at small batches: Q4_1 blocks are 0.625 bytes per weight against
 float32's 4. So, for each linear layer whose GGUF tensors are in a block
 format the C++ kernels read, the blocks are attached too, and matmuls of at
 most `max_rows` rows run on them; larger ones (prefill, big decode batches)
-keep the packed dense weights (layers.linear), except where the blocks
-take every step: then the layer holds its blocks only. The kernels read Q4_0, Q4_1,
-Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K, mixed within a layer (every type of
-the Q4_K_M / Q5_K_M / Q6_K files), unpacked once into records
+keep the packed dense weights (layers.linear), except where the blocks take
+every step: then the layer holds its blocks only. The kernels read Q4_0,
+Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K, mixed within a layer (every
+type of the Q4_K_M / Q5_K_M / Q6_K files), unpacked once into records
 (sluice_kernels.gguf_blocks) that both arithmetics read.
 
 Two arithmetics on the blocks (`QuantizedWeight.int8`):
