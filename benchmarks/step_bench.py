@@ -88,11 +88,12 @@ def weight_bytes(runner: ModelRunner, rows: int) -> int:
     """Bytes of linear weights a step of `rows` rows reads: each layer's GGUF
     blocks where they serve that many rows, else its dense weight. Expert
     layers are left out: which experts a step reads depends on its tokens
-    (moe_bench.py counts them)."""
+    (moe_bench.py counts them); so is the embedding, whose lookup reads a
+    step's rows only."""
     total = 0
     for module in runner.model.modules():
         quantized = getattr(module, "quantized", None)
-        if isinstance(module, FusedMoE):
+        if isinstance(module, FusedMoE) or not hasattr(module, "pack_for_cpu_"):
             continue
         if quantized is not None and rows <= quantized.max_rows:
             total += quantized.data.nbytes

@@ -198,3 +198,43 @@ class QuantizedWeight:
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         linear = torch.ops.sluice_cpu.q8_linear if self.int8 else torch.ops.sluice_cpu.exact_linear
         return linear(x, self.data, self.format, self.out_features)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [T] (int64) of the weight, float32 [T, K]: each record
+        expanded as `Records.expand` does (sw * wq + cw, rounded after the
+        product and after the sum), read out of the packed layout of
+        csrc/cpu_q8_linear.cpp, for an embedding lookup on the blocks:
+
+            group g = id // 16, lane i = id % 16; record (g, b) of rb bytes:
+            [ scale sets (sw, cw; or sw lo, sw hi, cw lo, cw hi) x 16 lanes ]
+            [ weights: 8-bit, chunk c < 8: lane i's wq[4c .. 4c+3] at 64c + 4i
+                       4-bit, chunk c < 4: byte 64c + 4i + j holds
+                       wq[4c + j] (low nibble) and wq[16 + 4c + j] (high) ]
+        """
+        four, halves = self.format in (U4_F16, U4_F32), self.format == U8_HALVES
+        scale_dtype = torch.float16 if self.format in (U4_F16, U8_F16) else torch.float32
+        sets = 4 if halves else 2
+        header = sets * 16 * scale_dtype.itemsize
+        rb = header + (16 * QK // 2 if four else 16 * QK)
+        nb = self.data.numel() // (-(-self.out_features // 16) * rb)  # records per group: K / 32
+        record = torch.arange(nb)[:, None]
+
+        def gather(dtype: torch.dtype, at: torch.Tensor) -> torch.Tensor:
+            """Lane i's `dtype` units at unit offsets `at` [K/32, n] of each
+            of its group's records -> [T, K/32, n]: one gather out of the
+            packed bytes, no copy of the other lanes'."""
+            per_record = rb // dtype.itemsize
+            first = (ids // 16) * (nb * per_record) + ids % 16  # lane i's unit of record 0
+            return self.data.view(dtype)[first[:, None, None] + record * per_record + at]
+
+        # scale set w's unit at w * 16 + i; weight chunk c's word at header / 4 + c * 16 + i
+        scales = gather(scale_dtype, torch.arange(sets) * 16).float()  # [T, K/32, sets]
+        chunks = 4 if four else 8
+        wq = gather(torch.int32, header // 4 + torch.arange(chunks) * 16).view(torch.uint8)  # [T, K/32, 4 * chunks]
+        if four:  # the high nibble as (byte & 0xf0) / 16, exact in float32
+            wq = torch.cat([(wq & 15).float(), (wq & 240).float() * (1 / 16)], dim=-1)
+        t = ids.numel()
+        runs = 2 if halves else 1  # scale pairs per record
+        wq = wq.reshape(t, nb, runs, QK // runs).float()
+        sw, cw = scales[:, :, :runs, None], scales[:, :, runs : 2 * runs, None]
+        return (wq * sw + cw).reshape(t, nb * QK)

@@ -270,6 +270,7 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
             cpu_matmuls: Some(shard_info.cpu_matmuls.clone()).filter(|plan| !plan.is_empty()),
             cpu_kernels: shard_info.cpu_kernels.clone(),
             weight_bytes: shard_info.weight_bytes,
+            dense_copy_bytes: shard_info.dense_copy_bytes,
             total_parameters: info.total_parameters,
             active_parameters: info.active_parameters,
             expert_parallel: shard_info.expert_parallel,

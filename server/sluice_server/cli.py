@@ -167,10 +167,11 @@ async def serve(args: argparse.Namespace) -> int:
             max_lora_rank=args.max_lora_rank, lora_roots=args.lora_root,
         )
         log.info(
-            "loaded %s (%s, %s) in %.1fs, %d CPU threads; KV cache %s, CPU kernels %s, weights %.1f MiB",
+            "loaded %s (%s, %s) in %.1fs, %d CPU threads; KV cache %s, CPU kernels %s, weights %.1f MiB "
+            "(%.1f MiB of dense copies)",
             args.model_dir, runner.model_type, str(runner.dtype).removeprefix("torch."),
             time.perf_counter() - started, torch.get_num_threads(), str(runner.kv_dtype).removeprefix("torch."),
-            runner.cpu_kernels_isa, runner.weight_bytes / 2**20,
+            runner.cpu_kernels_isa, runner.weight_bytes / 2**20, runner.dense_copy_bytes / 2**20,
         )
         return dist, runner
 

@@ -28,7 +28,7 @@ from sluice_server.distributed import SINGLE, Distributed
 from sluice_server.kv_cache import KVCache
 from sluice_server.layers.backends import get_backend
 from sluice_server.layers.gguf_weights import attach_block_experts, attach_gguf_weights
-from sluice_server.layers.linear import pack_linear_weights, weight_bytes
+from sluice_server.layers.linear import dense_copy_bytes, free_unread_weights, pack_linear_weights, weight_bytes
 from sluice_server.layers.moe import FusedMoE
 from sluice_server.models import build_model, load_weights, parameter_counts
 from sluice_server.models.llama_cpu_decoder import LlamaCpuDecoder, build_llama_cpu_decoder
@@ -280,6 +280,8 @@ class ModelRunner:
         self.kv_dtype = choose_kv_dtype(self.dtype, self.cpu_matmuls, options.kv_cache_dtype, self.device.type)
         # Bytes of this rank's weights in memory, every form counted.
         self.weight_bytes = weight_bytes(self.model)
+        # Of those, the dense forms of block-served matrices (0: each held once, as blocks).
+        self.dense_copy_bytes = dense_copy_bytes(self.model)
         cfg = self.model.config
         self.model_type: str = cfg.model_type
         self.vocab_size: int = cfg.vocab_size
@@ -314,7 +316,11 @@ class ModelRunner:
         # The dtype the dense weights are packed in, named (None meant the model's).
         plan = dataclasses.replace(plan, dense_dtype=plan.dense_dtype or self.dtype)
         packed = pack_linear_weights(self.model, plan.dense_dtype)
-        log.info("CPU matmuls: %s; %d run GGUF blocks, %d packed dense", plan.describe(), blocks, packed)
+        freed = free_unread_weights(self.model)  # each matrix once per kind of step
+        log.info(
+            "CPU matmuls: %s; %d run GGUF blocks, %d packed dense, %d dense weights freed",
+            plan.describe(), blocks, packed, freed,
+        )
         return plan
 
     # -- KV cache -----------------------------------------------------------

@@ -95,6 +95,7 @@ class Shard:
             cpu_matmuls=r.cpu_matmuls.describe() if r.cpu_matmuls else "",
             cpu_kernels=r.cpu_kernels_isa,
             weight_bytes=r.weight_bytes,
+            dense_copy_bytes=r.dense_copy_bytes,
             total_parameters=r.total_parameters,
             active_parameters=r.active_parameters,
             max_loras=r.adapters.max_loras,

@@ -5,7 +5,8 @@
 
 Writes OUT_PREFIX-RANK.pt with:
   logits       [len(TOKENS), vocab] from a prefill of all but two tokens, then two decodes
-  param_bytes  bytes of this rank's parameters (tied ones counted once)
+  param_bytes  bytes of this rank's parameters as loaded (tied ones counted once;
+               a weight freed for its packed or GGUF-block form at its dense shape)
   rss_bytes    the process's resident set after loading the weights
   num_blocks   Warmup's block count; rank r offers (r + 1) x the KV budget of rank 0
   tokens       {request id: tokens} sampled by the servicer's Shard over 5 steps
@@ -39,15 +40,22 @@ def rss_bytes() -> int:
     return 0
 
 
+def param_bytes(model: torch.nn.Module) -> int:
+    dense = {id(m.weight): m.dense_shape for m in model.modules() if getattr(m, "dense_shape", None)}
+    params = {id(p): p for p in model.parameters()}
+    return sum(
+        (p.numel() or int(torch.Size(dense.get(key, (0,))).numel())) * p.element_size() for key, p in params.items()
+    )
+
+
 def main() -> None:
     model_dir, out, tokens = sys.argv[1], sys.argv[2], [int(t) for t in sys.argv[3].split(",")]
     torch.set_num_threads(1)
     dist = init_distributed(torch.device("cpu"))
     options = ShardOptions(expert_parallel="--expert-parallel" in sys.argv[4:])
     runner = ModelRunner(model_dir, dtype="float32", block_size=4, dist=dist, options=options)
-    params = {id(p): p for p in runner.model.parameters()}.values()
     result = {
-        "param_bytes": sum(p.numel() * p.element_size() for p in params),
+        "param_bytes": param_bytes(runner.model),
         "rss_bytes": rss_bytes(),
     }
 

@@ -201,11 +201,12 @@ def pieces(runner) -> dict[str, torch.nn.Module]:
     return out
 
 
-def with_blocks(folder, corrupt: str | None = None):
+def with_blocks(folder, corrupt: str | None = None, embedding: bool = False):
     """Gives the tiny model `folder` a GGUF twin (Q8_0 blocks, q/k rows in
     llama.cpp's order) and makes the folder's float weights exactly what the
     blocks hold. `corrupt`: a GGUF tensor whose blocks get one value changed
-    afterwards, so they no longer match the folder."""
+    afterwards, so they no longer match the folder. `embedding`: the
+    embedding table gets blocks too (token_embd)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
     from safetensors.numpy import load_file, save_file
@@ -213,6 +214,8 @@ def with_blocks(folder, corrupt: str | None = None):
     config = json.loads((folder / "config.json").read_text())
     weights = load_file(str(folder / "model.safetensors"))
     names = {"output.weight": "lm_head.weight"}
+    if embedding:
+        names["token_embd.weight"] = "model.embed_tokens.weight"
     for i in range(config["num_hidden_layers"]):
         for part in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
             names[f"blk.{i}.{part}.weight"] = folder_name(f"blk.{i}.{part}.weight")

@@ -47,6 +47,9 @@ pub struct Info {
     pub cpu_kernels: String,
     /// Bytes of model weights one shard holds in memory, every form counted.
     pub weight_bytes: u64,
+    /// Of those, the dense copies of matrices the shard also holds as GGUF
+    /// blocks (for steps above the blocks' row limit); 0 when held once.
+    pub dense_copy_bytes: u64,
     /// The model's parameters; `active_parameters` those one token runs
     /// through (fewer than the total for mixtures of experts).
     pub total_parameters: u64,

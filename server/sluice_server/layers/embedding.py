@@ -18,7 +18,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from sluice_server.distributed import Distributed
-from sluice_server.layers.linear import can_pack_for_cpu, pack_for_cpu, packed_linear
+from sluice_server.layers.linear import blocks_take_every_step, can_pack_for_cpu, pack_for_cpu, packed_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -32,6 +32,10 @@ class VocabParallelEmbedding(nn.Module):
         self.end = self.start + part
         self.weight = nn.Parameter(torch.zeros(part, hidden_size), requires_grad=False)
         self.weight.weight_loader = self._load
+        # The table's GGUF blocks (layers.gguf_weights), which the lookup
+        # reads once the dense table is freed; its [rows, hidden] shape then.
+        self.quantized = None
+        self.dense_shape: tuple[int, int] | None = None
 
     def _load(self, param: nn.Parameter, checkpoint, shard_id: int = 0) -> None:
         shape = tuple(checkpoint.get_shape())
@@ -42,7 +46,12 @@ class VocabParallelEmbedding(nn.Module):
         if end > self.start:
             param.data[: end - self.start].copy_(checkpoint[self.start : end])
 
+    def reads_dense_weight(self) -> bool:
+        return self.quantized is None
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None and not self.weight.numel():
+            return self.quantized.rows(ids.reshape(-1)).reshape(*ids.shape, self.hidden_size)
         if not self.dist.is_parallel:
             return F.embedding(ids, self.weight)
         owned = (ids >= self.start) & (ids < self.end)
@@ -59,15 +68,19 @@ class ParallelLMHead(VocabParallelEmbedding):
     """
 
     packed: torch.Tensor | None = None
-    quantized = None  # GGUF blocks (layers.gguf_weights)
 
     def pack_for_cpu_(self, dtype: torch.dtype | None = None) -> bool:
-        """Packs a copy of the weight for oneDNN (see layers.linear). The dense
-        weight stays: with tied embeddings it is also the embedding table."""
-        if self.packed is not None or not can_pack_for_cpu(self.weight):
+        """Packs a copy of the weight for oneDNN (see layers.linear), unless
+        the GGUF blocks take every step. The dense weight stays here; with
+        tied embeddings it is also the embedding table; it is freed
+        (layers.linear.free_unread_weights) once nothing reads it."""
+        if self.packed is not None or blocks_take_every_step(self) or not can_pack_for_cpu(self.weight):
             return False
         self.packed = pack_for_cpu(self.weight, dtype)
         return True
+
+    def reads_dense_weight(self) -> bool:
+        return self.packed is None and not blocks_take_every_step(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None and self.quantized.handles(x):

@@ -7,9 +7,10 @@ whole cost at small batches: Q4_1 blocks are 0.625 bytes per weight against
 float32's 4. So, for each linear layer whose GGUF tensors are in a block
 format the C++ kernels read, the blocks are attached too, and matmuls of at
 most `max_rows` rows run on them; larger ones (prefill, big decode batches)
-keep the packed dense weights (layers.linear). The kernels read Q4_0, Q4_1,
-Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K, mixed within a layer (every type of
-the Q4_K_M / Q5_K_M / Q6_K files), unpacked once into records
+keep the packed dense weights (layers.linear), except where the blocks take
+every step: then the layer holds its blocks only. The kernels read Q4_0,
+Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K, mixed within a layer (every
+type of the Q4_K_M / Q5_K_M / Q6_K files), unpacked once into records
 (sluice_kernels.gguf_blocks) that both arithmetics read.
 
 Two arithmetics on the blocks (`QuantizedWeight.int8`):
@@ -35,6 +36,12 @@ layer's rows by content rather than by a hard-coded permutation.
     layers.i.mlp.gate_up_proj             blk.i.ffn_gate, ffn_up
     layers.i.mlp.down_proj                blk.i.ffn_down
     lm_head                               output (or token_embd when tied)
+    model.embed_tokens                    token_embd (the LM head's blocks when tied)
+
+The embedding's blocks serve its lookup (`QuantizedWeight.rows`: each
+record expanded to exactly the float32 table's row, up to the sign of a
+zero), so its float32 table can be freed (layers.linear.free_unread_weights)
+where the LM head, when tied to it, no longer reads the table either.
 
 The expert layers of mixture-of-experts models (layers/moe.py) get their
 experts' blocks the same way, one expert at a time out of llama.cpp's
@@ -98,6 +105,8 @@ def _pieces(model: nn.Module) -> list[tuple[nn.Module, list[str]]]:
         out.append((mlp.down_proj, [f"blk.{i}.ffn_down.weight"]))
     tied = getattr(model.config, "tie_word_embeddings", False)
     out.append((model.lm_head, ["token_embd.weight" if tied else "output.weight"]))
+    if not tied:
+        out.append((model.model.embed_tokens, ["token_embd.weight"]))
     return out
 
 
@@ -120,7 +129,8 @@ def _match_rows(have: np.ndarray, want: torch.Tensor) -> np.ndarray | None:
 def attach_gguf_weights(model: nn.Module, folder: Path, world_size: int, *, int8: bool, max_rows: int) -> int:
     """Attaches the GGUF blocks to every layer they match exactly (before the
     float32 weights are packed), for matmuls of at most `max_rows` rows, with
-    int8 activations or exact; returns how many layers got them."""
+    int8 activations or exact; returns how many layers got them (the
+    embedding, whose lookup reads them, not counted)."""
     gguf = gguf_source(folder)
     if gguf is None or world_size != 1 or max_rows <= 0 or not cpu_kernels.loaded():
         return 0
@@ -154,7 +164,10 @@ def attach_gguf_weights(model: nn.Module, folder: Path, world_size: int, *, int8
         records = gguf_blocks.Records(*(np.concatenate(parts) for parts in zip(*((r.sw, r.cw, r.wq) for r in pieces))))
         fmt = gguf_blocks.layout(types, records)
         module.quantized = QuantizedWeight(gguf_blocks.pack(records, fmt), fmt, n, int8, max_rows)
-        attached += 1
+        attached += module is not model.model.embed_tokens
+    embedding, head = model.model.embed_tokens, model.lm_head
+    if head.weight is embedding.weight and head.quantized is not None:
+        embedding.quantized = head.quantized  # tied: the rows matched the table itself
     for i, layer in enumerate(model.model.layers):
         if isinstance(layer.mlp, FusedMoE):
             attached += attach_experts(layer.mlp, tensors, i, int8=int8)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from sluice_kernels.cpu_matmuls import ALL_ROWS
 from sluice_server.distributed import Distributed, shard_range
 from sluice_server.layers.lora import LoraWeights
 
@@ -31,6 +32,20 @@ from sluice_server.layers.lora import LoraWeights
 # weight); benchmarks/packed_linear.py times the two on a model's shapes.
 _MKLDNN = getattr(torch.ops, "mkldnn", None)
 CPU_PACK_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def blocks_take_every_step(module: nn.Module) -> bool:
+    """Whether every matmul of `module` runs on its GGUF blocks (the plan's
+    row limit is ALL_ROWS), so that no dense form of its weight is ever read."""
+    quantized = getattr(module, "quantized", None)
+    return quantized is not None and quantized.max_rows >= ALL_ROWS
+
+
+def free_dense_weight_(module: nn.Module) -> None:
+    """Empties `module.weight` (its [out, in] shape kept as `dense_shape`)."""
+    if module.dense_shape is None:
+        module.dense_shape = tuple(module.weight.shape)
+    module.weight.data = torch.empty(0, dtype=module.weight.dtype)
 
 
 def can_pack_for_cpu(weight: torch.Tensor) -> bool:
@@ -71,6 +86,8 @@ class PackableLinear(nn.Module):
     `pack_for_cpu_()` replaces the dense weight by oneDNN's layout (the dense
     copy is freed: the weight is never read again); `_linear` then runs the
     packed kernel. Left unpacked (CUDA, other dtypes), it is plain F.linear.
+    A layer whose GGUF blocks take every step is not packed, and its dense
+    weight is freed (`free_unread_weights`): it holds the blocks only.
     """
 
     packed: torch.Tensor | None = None
@@ -81,12 +98,14 @@ class PackableLinear(nn.Module):
     lora: LoraWeights | None = None
 
     def pack_for_cpu_(self, dtype: torch.dtype | None = None) -> bool:
-        if self.packed is not None or not can_pack_for_cpu(self.weight):
+        if self.packed is not None or blocks_take_every_step(self) or not can_pack_for_cpu(self.weight):
             return False
         self.packed = pack_for_cpu(self.weight, dtype)
-        self.dense_shape = tuple(self.weight.shape)  # [out, in] of the packed weight
-        self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+        free_dense_weight_(self)  # dense_shape: [out, in] of the packed weight
         return True
+
+    def reads_dense_weight(self) -> bool:
+        return self.packed is None and not blocks_take_every_step(self)
 
     def matmul_dtype(self, x: torch.Tensor) -> torch.dtype:
         """The dtype in which this layer multiplies x: the packed weight's
@@ -104,6 +123,11 @@ class PackableLinear(nn.Module):
             y = y if bias is None else y + bias
         elif self.packed is not None:
             return packed_linear(x, self.packed, bias, out_dtype)
+        elif self.weight.numel() == 0:
+            raise RuntimeError(
+                f"this layer holds its GGUF blocks only, which multiply 2-D float32 CPU rows; got "
+                f"{tuple(x.shape)} {x.dtype} on {x.device}"
+            )
         else:
             y = F.linear(x, self.weight, bias)
         return y if out_dtype is None or y.dtype == out_dtype else y.to(out_dtype)
@@ -118,9 +142,34 @@ class PackableLinear(nn.Module):
 
 def pack_linear_weights(model: nn.Module, dtype: torch.dtype | None = None) -> int:
     """Packs every layer of `model` that has `pack_for_cpu_` (the linear
-    layers and the LM head), in `dtype` (default: the weight's own); returns
-    how many were packed."""
+    layers and the LM head), in `dtype` (default: the weight's own), except
+    those whose GGUF blocks take every step; returns how many were packed."""
     return sum(m.pack_for_cpu_(dtype) for m in model.modules() if hasattr(m, "pack_for_cpu_"))
+
+
+def free_unread_weights(model: nn.Module) -> int:
+    """Frees every dense `weight` that none of the modules holding it reads
+    any more (`reads_dense_weight()` False: a packed copy or GGUF blocks
+    serve them), so that each matrix is held once per kind of step it runs:
+    the blocks where they take every step, else the blocks and one packed
+    form. A weight held by a module that cannot say (a norm, a router)
+    stays. Returns how many were freed."""
+    holders: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if weight is not None:
+            holders.setdefault(id(weight), []).append(module)
+    freed = 0
+    for modules in holders.values():
+        if modules[0].weight.numel() and all(
+            hasattr(m, "reads_dense_weight") and not m.reads_dense_weight() for m in modules
+        ):
+            shape = tuple(modules[0].weight.shape)
+            for module in modules:
+                module.dense_shape = module.dense_shape or shape
+            free_dense_weight_(modules[0])  # the parameter all of them hold
+            freed += 1
+    return freed
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -139,6 +188,23 @@ def weight_bytes(model: nn.Module) -> int:
             if id(tensor) not in seen:
                 seen.add(id(tensor))
                 total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def dense_copy_bytes(model: nn.Module) -> int:
+    """Of `weight_bytes`, the dense forms of matrices that also hold GGUF
+    blocks (`quantized`): their oneDNN-packed copies and dense weights, what
+    the plan keeps for steps larger than the blocks take."""
+    others = {
+        id(p) for m in model.modules() if getattr(m, "quantized", None) is None for p in m.parameters(recurse=False)
+    }
+    total = 0
+    for module in model.modules():
+        if getattr(module, "quantized", None) is None:
+            continue
+        held = [p for p in module.parameters(recurse=False) if p.dim() >= 2 and id(p) not in others]
+        held += [t for t in (getattr(module, "packed", None),) if isinstance(t, torch.Tensor)]
+        total += sum(t.numel() * t.element_size() for t in held)
     return total
 
 
