@@ -28,6 +28,8 @@ decision (the shard's `--cpu-kernels`); this module reads no setting.
         gguf_blocks), with int8 activations or expanded to float32
         (cpu_q8_linear.cpp), each call on the best instruction set this CPU
         has (`isa_path()` names it)
+    block_rows(packed, format, out_features, ids): rows of such a weight,
+        expanded to float32 (an embedding lookup on the blocks, cpu_q8_linear.cpp)
     moe_block_mlp(x, ids, weights, w13, format13, w2, format2, intermediate, b13, b2,
         activation, alpha, limit, int8): a mixture-of-experts layer's expert MLP
         on every expert's blocks, tokens grouped by expert (cpu_moe.cpp, over
@@ -65,7 +67,7 @@ SOURCES = [
 HEADERS = [CSRC / "sluice_cpu.h"]
 OPS = (
     "paged_decode_attention", "rms_norm", "rotary_", "silu_mul", "argmax_rows",
-    "q8_pack", "q8_linear", "exact_linear", "q8_quantize", "q8_isas", "moe_block_mlp", "lora_apply_",
+    "q8_pack", "q8_linear", "exact_linear", "q8_quantize", "q8_isas", "block_rows", "moe_block_mlp", "lora_apply_",
 )
 _lock = threading.Lock()
 # "ok": the outcome of the first load(); "reason": why the kernels are off;

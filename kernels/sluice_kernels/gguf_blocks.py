@@ -200,10 +200,17 @@ class QuantizedWeight:
         return linear(x, self.data, self.format, self.out_features)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [T] (int64) of the weight, float32 [T, K], for an
+        embedding lookup on the blocks: the C++ kernel (csrc/cpu_q8_linear.cpp
+        `block_rows`, a few microseconds a step) computing what
+        `rows_reference` computes."""
+        return torch.ops.sluice_cpu.block_rows(self.data, self.format, self.out_features, ids.contiguous())
+
+    def rows_reference(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` [T] (int64) of the weight, float32 [T, K]: each record
         expanded as `Records.expand` does (sw * wq + cw, rounded after the
         product and after the sum), read out of the packed layout of
-        csrc/cpu_q8_linear.cpp, for an embedding lookup on the blocks:
+        csrc/cpu_q8_linear.cpp, in plain torch (~80 us a call: a dozen ops):
 
             group g = id // 16, lane i = id % 16; record (g, b) of rb bytes:
             [ scale sets (sw, cw; or sw lo, sw hi, cw lo, cw hi) x 16 lanes ]

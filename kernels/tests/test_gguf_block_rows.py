@@ -1,5 +1,6 @@
 """Rows read out of the packed GGUF records (`QuantizedWeight.rows`, the
-embedding lookup on the blocks) against `Records.expand`, the float32
+embedding lookup on the blocks: the C++ `block_rows`, and
+`rows_reference` in plain torch) against `Records.expand`, the float32
 weight the records stand for: bit for bit, in every record layout, for
 irregular row counts (a last group of 16 that is not full) and repeated or
 unordered ids."""
@@ -29,9 +30,11 @@ def test_rows_are_the_expanded_weight_bit_for_bit(fmt):
     records = gguf_blocks.unpack(fmt, random_blocks(fmt, n, k, 4), k)
     assert gguf_blocks.layout({fmt}, records) == LAYOUTS[fmt]
     ids = torch.tensor([44, 0, 17, 17, 31, 32, 3, 44])
-    got = weight(records, LAYOUTS[fmt]).rows(ids)
-    assert got.dtype == torch.float32 and got.shape == (len(ids), k)
-    assert torch.equal(got, torch.from_numpy(records.expand())[ids])
+    w = weight(records, LAYOUTS[fmt])
+    want = torch.from_numpy(records.expand())[ids]
+    for got in (w.rows(ids), w.rows_reference(ids)):
+        assert got.dtype == torch.float32 and got.shape == (len(ids), k)
+        assert torch.equal(got, want)
 
 
 def test_rows_of_a_layer_of_mixed_types():
@@ -42,7 +45,16 @@ def test_rows_of_a_layer_of_mixed_types():
     layout = gguf_blocks.layout(set(types), records)
     assert layout == gguf_blocks.U8_HALVES
     ids = torch.arange(len(records.wq)).flip(0)
-    assert torch.equal(weight(records, layout).rows(ids), torch.from_numpy(records.expand())[ids])
+    w = weight(records, layout)
+    assert torch.equal(w.rows(ids), torch.from_numpy(records.expand())[ids])
+    assert torch.equal(w.rows_reference(ids), torch.from_numpy(records.expand())[ids])
+
+
+def test_rows_outside_the_weight_are_refused():
+    records = gguf_blocks.unpack("Q4_1", random_blocks("Q4_1", 20, 64, 1), 64)
+    for bad in (20, -1):
+        with pytest.raises(RuntimeError, match="not below 20"):
+            weight(records, 0).rows(torch.tensor([3, bad]))
 
 
 def test_no_rows():

@@ -752,6 +752,45 @@ at::Tensor exact_linear(const at::Tensor& x, const at::Tensor& packed, int64_t f
   return y;
 }
 
+// Rows `ids` of the [N, K] weight the records stand for, float32 [T, K]:
+// an embedding lookup on the blocks. Each value is q * sw + cw rounded
+// after the product and after the sum, as gguf_blocks.Records.expand (and
+// so the model folder's float32 table) computes it; the product goes
+// through a volatile so no compiler fuses the two into one rounding.
+// QuantizedWeight.rows_reference is the same in plain torch.
+at::Tensor block_rows(const at::Tensor& packed, int64_t format, int64_t N, const at::Tensor& ids) {
+  TORCH_CHECK(format >= U4_F16 && format <= U8_HALVES, "unknown record layout ", format);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed must be contiguous uint8");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(), "ids must be int64 [T]");
+  const int64_t rb = record_bytes(format), groups = (N + NG - 1) / NG;
+  TORCH_CHECK(N > 0 && packed.numel() % (groups * rb) == 0, "packed does not hold whole records of ", N, " rows");
+  const int64_t nb = packed.numel() / (groups * rb), K = nb * QK, T = ids.size(0);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(id[t] >= 0 && id[t] < N, "row ", id[t], " is not below ", N);
+  at::Tensor out = at::empty({T, K}, at::kFloat);
+  const uint8_t* base = packed.data_ptr<uint8_t>();
+  float* y = out.data_ptr<float>();
+  const uint32_t mask = four_bit(format) ? 15 : 255;
+  at::parallel_for(0, T, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t g = id[t] / NG, i = id[t] % NG;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* rec = base + (g * nb + b) * rb;
+        const uint8_t* w = rec + header_bytes(format);
+        for (int j = 0; j < QK; ++j) {
+          const int h = halves(format) ? j / 16 : 0;
+          uint32_t word;
+          std::memcpy(&word, w + value_chunk(format, j) * 64 + i * 4, 4);
+          const float q = static_cast<float>((word >> value_shift(format, j)) & mask);
+          volatile float product = q * record_scale(format, rec, h, i);
+          y[t * K + b * QK + j] = product + record_scale(format, rec, scale_sets(format) / 2 + h, i);
+        }
+      }
+    }
+  });
+  return out;
+}
+
 // The grouped form for mixture-of-experts layers (cpu_moe.cpp): x's rows
 // come in runs, one per expert, and run e is multiplied by expert e's
 // records (packed[e]):
@@ -848,6 +887,7 @@ TORCH_LIBRARY_FRAGMENT(sluice_cpu, m) {
   m.def("q8_linear(Tensor x, Tensor packed, int format, int out_features, int isa=0) -> Tensor");
   m.def("exact_linear(Tensor x, Tensor packed, int format, int out_features, int isa=0) -> Tensor");
   m.def("q8_quantize(Tensor x) -> (Tensor, Tensor, Tensor)");
+  m.def("block_rows(Tensor packed, int format, int out_features, Tensor ids) -> Tensor");
   m.def("q8_isas() -> int[]");
 }
 
@@ -856,6 +896,7 @@ TORCH_LIBRARY_IMPL(sluice_cpu, CPU, m) {
   m.impl("q8_linear", &sluice_cpu::q8_linear);
   m.impl("exact_linear", &sluice_cpu::exact_linear);
   m.impl("q8_quantize", &q8_quantize);
+  m.impl("block_rows", &sluice_cpu::block_rows);
 }
 
 TORCH_LIBRARY_IMPL(sluice_cpu, CatchAll, m) {
