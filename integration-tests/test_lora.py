@@ -469,18 +469,20 @@ def test_fast_path_serves_adapters_from_bfloat16_stacks(model_dir, tmp_path):
         assert info["lora"]["lora_dtype"] == "bfloat16"
         assert "bfloat16), applied by the cpu grouped matmul" in "\n".join(server.head)
         prompt, other = BUNDLED_PROMPTS
-        alone = tgi_ids(url, prompt, "bea", 48)
-        assert alone != tgi_ids(url, prompt, None, 48), "adapter B changes nothing"
+        # Long enough that the others start while it decodes (test_cpu_fast_path.py).
+        ours = 192
+        alone = tgi_ids(url, prompt, "bea", ours)
+        assert alone != tgi_ids(url, prompt, None, ours), "adapter B changes nothing"
 
         async def shared():
             client = AsyncInferenceClient(base_url=url, timeout=600)
             started = asyncio.Event()
-            ours = asyncio.create_task(tgi_ids_async(client, prompt, "bea", 48, started))
+            task = asyncio.create_task(tgi_ids_async(client, prompt, "bea", ours, started))
             await started.wait()  # its prompt is prefilled; the others join its decode steps now
             firsts = [asyncio.Event() for _ in range(3)]
             others = [asyncio.create_task(tgi_ids_async(client, p, m, 16, e))
                       for (p, m), e in zip([(other, None), (other, "ada"), (prompt, None)], firsts)]
-            got = await ours
+            got = await task
             joined = sum(e.is_set() for e in firsts)
             return got, await asyncio.gather(*others), joined
 
