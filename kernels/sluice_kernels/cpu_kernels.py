@@ -68,6 +68,7 @@ HEADERS = [CSRC / "sluice_cpu.h"]
 OPS = (
     "paged_decode_attention", "rms_norm", "rotary_", "silu_mul", "argmax_rows",
     "q8_pack", "q8_linear", "exact_linear", "q8_quantize", "q8_isas", "block_rows", "moe_block_mlp", "lora_apply_",
+    "lora_bf16_products",
 )
 _lock = threading.Lock()
 # "ok": the outcome of the first load(); "reason": why the kernels are off;

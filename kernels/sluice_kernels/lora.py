@@ -25,12 +25,12 @@ For each segment, r = ranks[s, p], and each of its rows t:
 in PEFT's order (the update, then the scale). Implementations:
 
     lora_apply_reference   plain torch, a loop over segments and pieces
-    lora_apply_cpu         csrc/cpu_lora.cpp: one call, both phases parallel
-                           over (segment, piece, chunk of inputs, rows) and
-                           (segment, block of 64 outputs, rows); x, y and the
-                           sums float32, the stacks float32 or bfloat16 (each
-                           element widened exactly as it is read), packed by
-                           `lora_pack_cpu` (below)
+    lora_apply_cpu         csrc/cpu_lora.cpp: one call, spread over the
+                           threads by (segment, rows) or by (segment, piece,
+                           chunk of inputs) then (segment, block of 64
+                           outputs); x, y and the sums float32, the stacks
+                           float32 or bfloat16 (below), packed by
+                           `lora_pack_cpu`
     triton.lora            lora_apply_triton: a shrink and an expand kernel,
                            one program per (segment, row tile, piece or
                            output tile)
@@ -45,6 +45,15 @@ one slot's piece), so that both of its phases stream them front to back:
     b  [S, NB, R, 64]          block n: outputs 64n .. 64n+63 of every rank,
                                b[s, n, k, o] = B[s, 64n + o, k]
                                (NB = ceil(OUT / 64), zeros past OUT)
+
+bfloat16 stacks hold the same shapes with each panel's and block's two
+last dimensions in pairs (`to_pairs`): a panel [IN, 16] as [IN/2, 16, 2]
+(inputs 2i and 2i+1 of rank l side by side), a block [R, 64] as
+[R/2, 64, 2] (ranks 2k and 2k+1 of output o), the operand layout of
+AVX512-BF16's pair dot product, so IN and R must be even. Where the CPU has
+that instruction the kernel multiplies in bfloat16 pairs (x and h rounded
+to bfloat16, every sum float32: `cpu_bfloat16_products`); elsewhere it
+widens each pair exactly and multiplies in float32, as for float32 stacks.
 
 `check_lora_args` is the one validator of a call, for every
 implementation's layout: lora_apply_cpu and lora_apply_triton call it (the
@@ -102,6 +111,8 @@ def lora_dims(a: torch.Tensor, b: torch.Tensor, packed: bool, out_features: int 
     R = b.shape[2]
     _need(out_features is not None and b.shape[0] == S and b.shape[1] == -(-out_features // OUT_BLOCK)
           and panels == -(-R // LANES), "packed b must be [S, ceil(OUT / 64), R, 64] with a's S and R")
+    _need(a.dtype != torch.bfloat16 or (IN % 2 == 0 and R % 2 == 0),
+          f"bfloat16 stacks hold pairs: their rank ({R}) and input size ({IN}) must be even")
     return LoraDims(S, P, R, IN, out_features)
 
 
@@ -169,9 +180,31 @@ def check_lora_args(
     return d
 
 
+def to_pairs(t: torch.Tensor) -> torch.Tensor:
+    """[..., N, L] -> the same shape with the last two dimensions in pairs
+    along N: element (n, l) moves to flat position (n // 2) * 2L + 2l + n % 2
+    of its [N, L] (N even). The layout of bfloat16 stacks (module docstring)."""
+    *lead, n, lanes = t.shape
+    return t.reshape(*lead, n // 2, 2, lanes).transpose(-1, -2).reshape(*lead, n, lanes)
+
+
+def from_pairs(t: torch.Tensor) -> torch.Tensor:
+    """The inverse of to_pairs."""
+    *lead, n, lanes = t.shape
+    return t.reshape(*lead, n // 2, lanes, 2).transpose(-1, -2).reshape(*lead, n, lanes)
+
+
+def cpu_bfloat16_products() -> bool:
+    """Whether the C++ kernel multiplies bfloat16 stacks in bfloat16 pairs
+    (this CPU has AVX512-BF16) rather than widened to float32; needs the
+    CPU kernels loaded."""
+    return bool(torch.ops.sluice_cpu.lora_bf16_products())
+
+
 def lora_pack_cpu(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Stacks a [S, P, R, IN], b [S, OUT, R] in the C++ kernel's layout
-    (module docstring), as `dtype` (float32 or bfloat16: rounded to nearest)."""
+    (module docstring), as `dtype` (float32 or bfloat16: rounded to nearest,
+    in pairs)."""
     _need(dtype in PACKED_DTYPES, f"packed stacks are float32 or bfloat16, not {dtype}")
     S, P, R, IN = a.shape
     OUT = b.shape[1]
@@ -183,6 +216,9 @@ def lora_pack_cpu(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype = torch.f
     b_pad = torch.zeros(S, blocks * OUT_BLOCK, R, dtype=dtype, device=b.device)
     b_pad[:, :OUT] = b
     b_packed = b_pad.view(S, blocks, OUT_BLOCK, R).transpose(2, 3).contiguous()
+    if dtype == torch.bfloat16:
+        _need(IN % 2 == 0 and R % 2 == 0, f"bfloat16 stacks hold pairs: rank ({R}) and input size ({IN}) must be even")
+        a_packed, b_packed = to_pairs(a_packed).contiguous(), to_pairs(b_packed).contiguous()
     return a_packed, b_packed
 
 
@@ -194,12 +230,19 @@ def lora_write_cpu_(a_packed: torch.Tensor, b_packed: torch.Tensor, slot: int, p
     emptied slot)."""
     r = a.shape[0]
     _need(r <= b_packed.shape[2], f"rank {r} is above the stacks' {b_packed.shape[2]}")
+    paired = a_packed.dtype == torch.bfloat16
     panels = -(-r // LANES)
     a_pad = torch.zeros(panels * LANES, a.shape[1], dtype=a_packed.dtype)
     a_pad[:r] = a
-    a_packed[slot, piece, :panels].copy_(a_pad.view(panels, LANES, a.shape[1]).transpose(1, 2))
+    a_panels = a_pad.view(panels, LANES, a.shape[1]).transpose(1, 2)
+    a_packed[slot, piece, :panels].copy_(to_pairs(a_panels) if paired else a_panels)
     outs = torch.arange(first_out, first_out + b.shape[0], device=b_packed.device)
-    b_packed[slot, outs // OUT_BLOCK, :r, outs % OUT_BLOCK] = b.to(b_packed.device, b_packed.dtype)
+    if not paired:
+        b_packed[slot, outs // OUT_BLOCK, :r, outs % OUT_BLOCK] = b.to(b_packed.device, b_packed.dtype)
+        return
+    blocks = from_pairs(b_packed[slot])
+    blocks[outs // OUT_BLOCK, :r, outs % OUT_BLOCK] = b.to(b_packed.device, b_packed.dtype)
+    b_packed[slot].copy_(to_pairs(blocks))
 
 
 def lora_apply_reference(
@@ -213,17 +256,24 @@ def lora_apply_reference(
     seg_slots: list[int],
     ranks: list[list[int]],
     scales: torch.Tensor,
+    products: torch.dtype | None = None,
 ) -> None:
     """y += each row's adapter update (module docstring), in place.
-    Segments and ranks as Python lists; the rest as the kernels take them."""
+    Segments and ranks as Python lists; the rest as the kernels take them.
+    `products`: x and h rounded to this dtype before they are multiplied
+    (bfloat16, as the C++ kernel's pair dot products do)."""
+
+    def operand(t: torch.Tensor) -> torch.Tensor:
+        return t if products is None else t.to(products).to(a.dtype)
+
     for start, end, s in zip(seg_starts, seg_ends, seg_slots):
-        rows = x[start:end].to(a.dtype)
+        rows = operand(x[start:end].to(a.dtype))
         for p in range(a.shape[1]):
             r = ranks[s][p]
             if r == 0:
                 continue
             lo, hi = bounds[p], bounds[p + 1]
-            update = (rows @ a[s, p, :r].T) @ b[s, lo:hi, :r].T
+            update = operand(rows @ a[s, p, :r].T) @ b[s, lo:hi, :r].T
             y[start:end, lo:hi] += (update * scales[s]).to(y.dtype)
 
 
@@ -238,9 +288,14 @@ def lora_apply_cpu(
     seg_slots: torch.Tensor,
     ranks: torch.Tensor,
     scales: torch.Tensor,
+    pair_products: bool | None = None,
 ) -> None:
     """The C++ kernel (`cpu_kernels.load()` first) on stacks packed by
     `lora_pack_cpu` (float32 or bfloat16): every index tensor int32, y, x,
-    scales float32, rows contiguous (checked: check_lora_args)."""
+    scales float32, rows contiguous (checked: check_lora_args).
+    `pair_products` picks how bfloat16 stacks are multiplied (None: as
+    `cpu_bfloat16_products` says; False: widened to float32; True: in
+    bfloat16 pairs, where the CPU can)."""
     check_lora_args(y, x, a, b, bounds, seg_starts, seg_ends, seg_slots, ranks, scales, packed=True)
-    torch.ops.sluice_cpu.lora_apply_(y, x, a, b, bounds, seg_starts, seg_ends, seg_slots, ranks, scales)
+    torch.ops.sluice_cpu.lora_apply_(y, x, a, b, bounds, seg_starts, seg_ends, seg_slots, ranks, scales,
+                                     pair_products)

@@ -15,6 +15,7 @@ import torch
 from sluice_kernels import cpu_kernels
 from sluice_kernels.lora import (
     check_rows,
+    cpu_bfloat16_products,
     lora_apply_cpu,
     lora_apply_reference,
     lora_dims,
@@ -53,11 +54,11 @@ def index_tensors(dev):
     return bounds, starts, ends, slots, ranks
 
 
-def reference(y, x, a, b, scales):
+def reference(y, x, a, b, scales, products=None):
     out = y.clone()
     lora_apply_reference(
         out, x, a, b, BOUNDS, [s[0] for s in SEGMENTS], [s[1] for s in SEGMENTS], [s[2] for s in SEGMENTS],
-        RANKS, scales,
+        RANKS, scales, products,
     )
     return out
 
@@ -85,15 +86,60 @@ def rounded(t: torch.Tensor, stacks: torch.dtype) -> torch.Tensor:
     return t.to(stacks).float()
 
 
+def products(stacks: torch.dtype) -> torch.dtype | None:
+    """What the C++ kernel rounds x and h to on stacks of `stacks`: bfloat16
+    where this CPU multiplies bfloat16 stacks in pairs, else nothing."""
+    return torch.bfloat16 if stacks == torch.bfloat16 and cpu_bfloat16_products() else None
+
+
+def assert_kernel_close(got: torch.Tensor, want: torch.Tensor, y: torch.Tensor, stacks: torch.dtype) -> None:
+    """got equals the reference `want` (y plus the updates) to float32's
+    precision; where x and h are rounded to bfloat16, an h that the two round
+    to neighbouring values moves its outputs by up to bfloat16's step, so
+    there the bound is 2^-7 of the largest update."""
+    if products(stacks) is None:
+        torch.testing.assert_close(got, want, **TOLERANCES[torch.float32])
+    else:
+        assert (got - want).abs().max() <= 2**-7 * (want - y).abs().max()
+
+
 @pytest.mark.skipif(not cpu_kernels.load(), reason="CPU kernels not built")
 @STACK_DTYPES
 def test_cpu_kernel_matches_the_reference(stacks):
     y, x, a, b, scales = case(torch.float32, seed=1)
-    want = reference(y, x, rounded(a, stacks), rounded(b, stacks), scales)
+    want = reference(y, x, rounded(a, stacks), rounded(b, stacks), scales, products(stacks))
     packed = lora_pack_cpu(a, b, stacks)
     assert all(t.dtype == stacks for t in packed)
-    lora_apply_cpu(y, x, *packed, *index_tensors("cpu"), scales)
-    torch.testing.assert_close(y, want, **TOLERANCES[torch.float32])
+    got = y.clone()
+    lora_apply_cpu(got, x, *packed, *index_tensors("cpu"), scales)
+    assert_kernel_close(got, want, y, stacks)
+
+
+@pytest.mark.skipif(not cpu_kernels.load(), reason="CPU kernels not built")
+def test_bfloat16_pairs_widened_are_the_float32_arithmetic_on_rounded_stacks():
+    """Without AVX512-BF16 (asked for here on any CPU) the pairs of
+    bfloat16 stacks are widened exactly and multiplied in float32: the
+    float32 kernel's result on the stacks rounded to bfloat16, bit for bit.
+    With it (where the CPU has it), x and h are rounded to bfloat16 too."""
+    y, x, a, b, scales = case(torch.float32, seed=3)
+    exact = y.clone()
+    lora_apply_cpu(exact, x, *lora_pack_cpu(rounded(a, torch.bfloat16), rounded(b, torch.bfloat16)),
+                   *index_tensors("cpu"), scales)
+    widened = y.clone()
+    lora_apply_cpu(widened, x, *lora_pack_cpu(a, b, torch.bfloat16), *index_tensors("cpu"), scales,
+                   pair_products=False)
+    assert torch.equal(widened, exact)
+    if cpu_bfloat16_products():
+        paired = y.clone()
+        lora_apply_cpu(paired, x, *lora_pack_cpu(a, b, torch.bfloat16), *index_tensors("cpu"), scales,
+                       pair_products=True)
+        want = reference(y, x, rounded(a, torch.bfloat16), rounded(b, torch.bfloat16), scales, torch.bfloat16)
+        assert not torch.equal(paired, exact)
+        assert_kernel_close(paired, want, y, torch.bfloat16)
+    else:
+        with pytest.raises(RuntimeError, match="AVX512-BF16"):
+            lora_apply_cpu(y.clone(), x, *lora_pack_cpu(a, b, torch.bfloat16), *index_tensors("cpu"), scales,
+                           pair_products=True)
 
 
 @pytest.mark.skipif(not cpu_kernels.load(), reason="CPU kernels not built")
@@ -135,18 +181,69 @@ def test_cpu_kernel_at_model_shapes_and_many_rows(stacks):
     segments = [(0, 70, 1), (70, 71, 0), (75, 150, 2)]
     want = y.clone()
     lora_apply_reference(want, x, rounded(a, stacks), rounded(b, stacks), bounds,
-                         *([seg[i] for seg in segments] for i in range(3)), ranks, scales)
+                         *([seg[i] for seg in segments] for i in range(3)), ranks, scales, products(stacks))
     index = [torch.tensor([seg[i] for seg in segments], dtype=torch.int32) for i in range(3)]
     packed = lora_pack_cpu(a, b, stacks)
     got = y.clone()
     lora_apply_cpu(got, x, *packed, torch.tensor(bounds, dtype=torch.int32), *index,
                    torch.tensor(ranks, dtype=torch.int32), scales)
-    torch.testing.assert_close(got, want, **TOLERANCES[torch.float32])
+    assert_kernel_close(got, want, y, stacks)
     alone = y[70:71].clone()
     lora_apply_cpu(alone, x[70:71], *packed, torch.tensor(bounds, dtype=torch.int32),
                    *(torch.tensor([v], dtype=torch.int32) for v in (0, 1, 0)), torch.tensor(ranks, dtype=torch.int32),
                    scales)
     assert torch.equal(alone, got[70:71])
+
+
+@pytest.mark.skipif(not cpu_kernels.load(), reason="CPU kernels not built")
+@STACK_DTYPES
+def test_cpu_kernel_rows_are_the_same_in_every_plan_and_thread_count(stacks):
+    """The kernel spreads a call over the threads in one loop (items of a
+    segment's rows, both phases each) or in two (shrink, then expand), by
+    the call's rows and the threads (cpu_lora.cpp): a row's update is
+    bitwise the same in every case. The calls here: decode-like steps of 8
+    rows on one adapter, of 2 rows on each of 4 adapters, a row alone, and
+    a 150-row step, each at 1 and 2 threads."""
+    g = torch.Generator().manual_seed(9)
+    S, R, IN, bounds = 4, 16, 450, [0, 96, 128, 200]
+    a = torch.randn(S, 3, R, IN, generator=g) / IN**0.5
+    b = torch.randn(S, bounds[-1], R, generator=g)
+    ranks = torch.tensor([[16, 16, 16], [8, 0, 16], [16, 4, 4], [1, 16, 9]], dtype=torch.int32)
+    for s, row in enumerate(ranks.tolist()):
+        for p, r in enumerate(row):
+            a[s, p, r:] = 0
+            b[s, bounds[p] : bounds[p + 1], r:] = 0
+    packed = lora_pack_cpu(a, b, stacks)
+    bounds_t, scales = torch.tensor(bounds, dtype=torch.int32), torch.tensor([0.5, 2.0, 1.5, 1.0])
+    rows = 150
+    x = torch.randn(rows, IN, generator=g)
+    y = torch.randn(rows, bounds[-1], generator=g)
+
+    def run(first: int, segments: list[tuple[int, int, int]]) -> torch.Tensor:
+        """Rows first.. of x through one call whose segments are given in those rows' numbering."""
+        end = max(e for _, e, _ in segments)
+        out = y[first : first + end].clone()
+        index = [torch.tensor([seg[i] for seg in segments], dtype=torch.int32) for i in range(3)]
+        lora_apply_cpu(out, x[first : first + end], *packed, bounds_t, *index, ranks, scales)
+        return out
+
+    threads = torch.get_num_threads()
+    try:
+        for t in sorted({1, 2, threads}):
+            torch.set_num_threads(t)
+            whole = run(0, [(0, 70, 1), (70, 71, 0), (75, 150, 2), (150, 150, 3)])
+            one_adapter = run(8, [(0, 8, 2)])
+            four_adapters = run(0, [(0, 2, 3), (2, 4, 1), (4, 6, 0), (6, 8, 2)])
+            for i in range(8):  # each row alone: a segment of one row
+                slot = [3, 3, 1, 1, 0, 0, 2, 2][i]
+                assert torch.equal(run(i, [(0, 1, slot)]), four_adapters[i : i + 1]), (t, i)
+                assert torch.equal(run(8 + i, [(0, 1, 2)]), one_adapter[i : i + 1]), (t, i)
+            for i in (0, 37, 69, 70, 100, 149):
+                slot = 1 if i < 70 else 0 if i == 70 else 2
+                assert torch.equal(run(i, [(0, 1, slot)]), whole[i : i + 1]), (t, i)
+            assert torch.equal(whole[71:75], y[71:75])  # rows of no segment are left alone
+    finally:
+        torch.set_num_threads(threads)
 
 
 @STACK_DTYPES

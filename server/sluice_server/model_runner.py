@@ -116,7 +116,7 @@ def choose_kv_dtype(
 
 
 def choose_lora_dtype(
-    dtype: torch.dtype, plan: CpuMatmuls | None, kernel: str, requested: str = "auto"
+    dtype: torch.dtype, plan: CpuMatmuls | None, kernel: str, requested: str = "auto", max_rank: int = 0
 ) -> torch.dtype:
     """The LoRA adapter stacks' element type (--lora-dtype `requested`) for
     the grouped matmul `kernel` (layers.lora.KERNELS). The C++ kernel
@@ -124,10 +124,13 @@ def choose_lora_dtype(
     picks bfloat16 on the CPU fast path (`--dtype auto` with int8
     activations on GGUF blocks, as the KV cache's auto does): a decode step
     with adapters there is bound by reading their stacks, bf16 halves those
-    bytes, and the base model's arithmetic is already not float32's. The
-    kernel widens each element exactly, so the stacks' rounding is the whole
-    difference (server/tests/test_cpu_decoder.py bounds it against float32
-    stacks). Elsewhere
+    bytes, and the base model's arithmetic is already not float32's. On a
+    CPU with AVX512-BF16 the kernel multiplies bf16 stacks in bfloat16
+    pairs (x and h rounded to bfloat16 too, every sum float32), elsewhere it
+    widens each element exactly (sluice_kernels.lora); server/tests/
+    test_cpu_decoder.py bounds either against float32 stacks. bf16 stacks
+    hold ranks in pairs, so an odd --max-lora-rank (`max_rank`) keeps
+    float32 under auto and is refused for bfloat16. Elsewhere
     auto keeps float32, so `--dtype float32` stays the peft oracle's
     arithmetic. The torch and Triton paths keep the model's dtype and refuse
     another one."""
@@ -136,7 +139,9 @@ def choose_lora_dtype(
     if kernel == "cpu":
         if requested == "auto":
             fast = plan is not None and plan.int8 and plan.block_rows > 0
-            return torch.bfloat16 if fast else torch.float32
+            return torch.bfloat16 if fast and max_rank % 2 == 0 else torch.float32
+        if requested == "bfloat16" and max_rank % 2:
+            raise ValueError(f"--lora-dtype bfloat16 holds ranks in pairs: --max-lora-rank {max_rank} must be even")
         return DTYPES[requested]
     if requested != "auto" and DTYPES[requested] != dtype:
         model = str(dtype).removeprefix("torch.")
@@ -300,7 +305,8 @@ class ModelRunner:
         self.kv_cache: KVCache | None = None
         # Allocated at warmup, beside the KV cache, in this dtype.
         self.adapters = AdapterSlots(self.model, max_loras, max_lora_rank, list(lora_roots))
-        self.lora_dtype = choose_lora_dtype(self.dtype, self.cpu_matmuls, self.lora_kernel(), options.lora_dtype)
+        self.lora_dtype = choose_lora_dtype(self.dtype, self.cpu_matmuls, self.lora_kernel(), options.lora_dtype,
+                                            max_lora_rank)
 
     def _prepare_cpu_weights(self, requested_dtype: str) -> CpuMatmuls:
         """Attaches the GGUF blocks and packs the dense weights as the plan

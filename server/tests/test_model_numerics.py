@@ -290,6 +290,15 @@ def test_lora_dtype(dtype, plan, kernel, requested, want):
     assert choose_lora_dtype(dtype, plan, kernel, requested) == want
 
 
+def test_lora_dtype_odd_ranks_keep_float32_stacks():
+    """bfloat16 stacks hold ranks in pairs: an odd --max-lora-rank keeps
+    float32 under auto, and bfloat16 is refused naming the rank."""
+    assert choose_lora_dtype(torch.float32, INT8_PLAN, "cpu", "auto", 7) == torch.float32
+    assert choose_lora_dtype(torch.float32, INT8_PLAN, "cpu", "auto", 8) == torch.bfloat16
+    with pytest.raises(ValueError, match="--max-lora-rank 7 must be even"):
+        choose_lora_dtype(torch.float32, INT8_PLAN, "cpu", "bfloat16", 7)
+
+
 def test_lora_dtype_refusals_name_the_choices():
     with pytest.raises(ValueError, match="--lora-dtype 'fp8' is not one of auto, float32, bfloat16"):
         choose_lora_dtype(torch.float32, INT8_PLAN, "cpu", "fp8")

@@ -31,6 +31,7 @@ void lora_apply_unchecked(at::Tensor& y, const at::Tensor& x, const at::Tensor& 
                           int64_t G, const int32_t* ranks, const float* scales);
 void lora_apply_(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
                  const at::Tensor& bounds, const at::Tensor& seg_starts, const at::Tensor& seg_ends,
-                 const at::Tensor& seg_slots, const at::Tensor& ranks, const at::Tensor& scales);
+                 const at::Tensor& seg_slots, const at::Tensor& ranks, const at::Tensor& scales,
+                 std::optional<bool> pair_products);
 
 }  // namespace sluice_cpu
