@@ -65,11 +65,16 @@ def random_blocks(shape: tuple[int, ...], quant: str, rng: np.random.Generator) 
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     rows = int(np.prod(shape[:-1]))
     raw = rng.integers(0, 256, (rows, shape[-1] // block, size), dtype=np.uint8)
-    scale = np.frombuffer(np.float16(2.0**-9 if block == 32 else 2.0**-12).tobytes(), dtype=np.uint8)
+    d = 2.0**-9 if block == 32 else 2.0**-12
     at = size - 2 if quant == "Q6_K" else 0
-    raw[..., at : at + 2] = scale
+    raw[..., at : at + 2] = np.frombuffer(np.float16(d).tobytes(), dtype=np.uint8)
     if quant in ("Q4_K", "Q5_K"):
-        raw[..., 2:4] = scale
+        # w = d * sc * q - dmin * m with q unsigned: dmin = d * (mean q)
+        # centres the weights (sc and m alike on average). Weights all of one
+        # sign would give every token's hidden state one common direction, so
+        # that every token of a step chose the same experts.
+        mean_q = 7.5 if quant == "Q4_K" else 15.5
+        raw[..., 2:4] = np.frombuffer(np.float16(d * mean_q).tobytes(), dtype=np.uint8)
     return raw.reshape(*shape[:-1], -1)
 
 
