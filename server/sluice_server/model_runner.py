@@ -273,11 +273,13 @@ class ModelRunner:
         self.cpu_kernels_isa = cpu_kernels.isa_path() if self.uses_cpu_kernels else "none"
         self.backend = get_backend(self.device, attention_backend, cpu_kernels=self.uses_cpu_kernels)
         self.model = build_model(self.config, dist, self.backend, self.dtype, self.device)
-        plan = blocks = None
+        plan = blocks = on_loaded = None
         if self.device.type == "cpu" and pack_weights:
             plan = plan_cpu_matmuls(dtype, self.dtype, cpu_flags(), self.options.cpu_block_rows)
             blocks = self._attach_gguf_blocks(plan)
-        load_weights(self.model, self.model_dir, skip=self._emptied_parameters())
+            if blocks is not None:  # blocks attached already: each weight is packed as soon as it is loaded
+                on_loaded = self._pack_when_loaded(self._plan_with_blocks(plan, blocks).dense_dtype)
+        load_weights(self.model, self.model_dir, skip=self._emptied_parameters(), on_loaded=on_loaded)
         if plan is not None:
             self.cpu_matmuls = self._prepare_cpu_weights(plan, blocks)
             if self.cpu_matmuls.block_rows > 0:
@@ -325,9 +327,30 @@ class ModelRunner:
         free_unread_weights(self.model)
         return blocks
 
+    def _pack_when_loaded(self, dtype: torch.dtype):
+        """load_weights' `on_loaded`: packs a linear layer's weight for oneDNN
+        (in `dtype`, freeing its float32 form) as soon as it is loaded, so a
+        plan that keeps dense weights (`--dtype float32`'s large steps, bf16
+        above a row limit) never holds the whole model in float32 first."""
+        modules = dict(self.model.named_modules())
+
+        def loaded(name: str) -> None:
+            module = modules.get(name.rpartition(".")[0])
+            if name.endswith(".weight") and hasattr(module, "pack_for_cpu_"):
+                module.pack_for_cpu_(dtype)
+
+        return loaded
+
     def _emptied_parameters(self) -> frozenset[str]:
         """Parameters emptied before loading (`_attach_gguf_blocks`): not loaded."""
         return frozenset(n for n, p in self.model.named_parameters(remove_duplicate=False) if p.numel() == 0)
+
+    def _plan_with_blocks(self, plan: CpuMatmuls, blocks: int) -> CpuMatmuls:
+        """The plan that holds once `blocks` layers got GGUF blocks (none:
+        dense only), its dense dtype named (None meant the model's)."""
+        if not blocks:
+            plan = CpuMatmuls(int8=False, block_rows=0, dense_dtype=None)
+        return dataclasses.replace(plan, dense_dtype=plan.dense_dtype or self.dtype)
 
     def _prepare_cpu_weights(self, plan: CpuMatmuls, blocks: int | None) -> CpuMatmuls:
         """Attaches the GGUF blocks (unless `_attach_gguf_blocks` did:
@@ -339,10 +362,7 @@ class ModelRunner:
                 blocks = attach_gguf_weights(
                     self.model, self.model_dir, self.dist.world_size, int8=plan.int8, max_rows=plan.block_rows
                 ) + attach_block_experts(self.model, int8=plan.int8, max_rows=plan.block_rows)
-        if not blocks:
-            plan = CpuMatmuls(int8=False, block_rows=0, dense_dtype=None)
-        # The dtype the dense weights are packed in, named (None meant the model's).
-        plan = dataclasses.replace(plan, dense_dtype=plan.dense_dtype or self.dtype)
+        plan = self._plan_with_blocks(plan, blocks)
         packed = pack_linear_weights(self.model, plan.dense_dtype)
         freed = free_unread_weights(self.model)  # each matrix once per kind of step
         log.info(

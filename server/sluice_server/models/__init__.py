@@ -40,7 +40,7 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -208,10 +208,13 @@ def checkpoint_slices(folder: Path):
         yield from gguf.slices()
 
 
-def load_weights(model: nn.Module, folder: Path, skip: frozenset[str] = frozenset()) -> None:
+def load_weights(
+    model: nn.Module, folder: Path, skip: frozenset[str] = frozenset(), on_loaded: Callable[[str], None] | None = None
+) -> None:
     """Loads every parameter of `model` from `folder`, but those named in
     `skip` (emptied by the shard: their layer computes on GGUF blocks only),
-    whose tensors are not read."""
+    whose tensors are not read. `on_loaded(name)` is called as soon as a
+    parameter has all its pieces (the shard packs it then)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = getattr(model.config, "tie_word_embeddings", False)
     # A fused parameter (qkv, gate_up) is complete once each of its pieces loaded.
@@ -229,6 +232,8 @@ def load_weights(model: nn.Module, folder: Path, skip: frozenset[str] = frozense
         for piece, piece_id in _pieces(model, target, tensor_slice):
             param.weight_loader(param, piece, shard_id + piece_id)
             loaded.setdefault(target, set()).add(shard_id + piece_id)
+        if on_loaded is not None and len(loaded[target]) == pieces_needed[target]:
+            on_loaded(target)
     if tied:
         loaded["lm_head.weight"] = {0}
     missing = [n for n, k in pieces_needed.items() if len(loaded.get(n, ())) != k]
