@@ -52,16 +52,16 @@ def dense_twin(folder: Path, out: Path) -> Path:
     return out
 
 
-def tiny_llama_gguf(tmp: Path, types=families.BLOCK_TYPES, **overrides) -> tuple[Path, Path]:
+def tiny_llama_gguf(tmp: Path, types=families.BLOCK_TYPES, arch: str = "llama") -> tuple[Path, Path]:
     """A tiny random Llama GGUF (K-quants and Q8_0, q/k rows in llama.cpp's
-    order, an untied head) and its converted folder."""
-    hf = make_tiny_model(tmp / "hf", "llama", **dict(families.SIZES, vocab_size=len(families.vocabulary()[0]),
-                                                      **overrides))
-    gguf = tmp / "tiny-llama.gguf"
+    order, an untied head), or Qwen2 (q/k/v biases, rows in order), and its
+    converted folder."""
+    hf = make_tiny_model(tmp / "hf", arch, **dict(families.SIZES, vocab_size=len(families.vocabulary()[0])))
+    gguf = tmp / f"tiny-{arch}.gguf"
     old = families.BLOCK_TYPES, families.random_blocks
     families.BLOCK_TYPES, families.random_blocks = types, random_blocks
     try:
-        families.write_gguf(gguf, "llama", hf, tmp / "oracle")
+        families.write_gguf(gguf, arch, hf, tmp / "oracle")
     finally:
         families.BLOCK_TYPES, families.random_blocks = old
     return gguf, resolve_model(str(gguf), cache_dir=str(tmp / "cache"))
@@ -123,9 +123,11 @@ def test_bundled_direct_blocks_equal_content_matched(smollm2_dir, tmp_path, kern
     assert_same_blocks_and_logits(smollm2_dir, dense_twin(smollm2_dir, tmp_path / "twin"), dtype, tokens)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("dtype", ["auto", "float32"])
-def test_tiny_llama_direct_blocks_equal_content_matched(tmp_path, kernels, dtype):
-    _, folder = tiny_llama_gguf(tmp_path)
+def test_tiny_direct_blocks_equal_content_matched(tmp_path, kernels, dtype, arch):
+    _, folder = tiny_llama_gguf(tmp_path, arch=arch)
+    assert GGUFTensors.of_folder(folder) is not None
     tokens = torch.randint(0, 250, (17,), generator=torch.Generator().manual_seed(2)).tolist()
     assert_same_blocks_and_logits(folder, dense_twin(folder, tmp_path / "twin"), dtype, tokens)
 
@@ -160,13 +162,14 @@ def test_dense_paths_read_the_blocks_tensor_by_tensor(smollm2_dir, tmp_path):
             assert torch.equal(p, q), name
 
 
-def test_converted_folder_matches_transformers(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_converted_folder_matches_transformers(tmp_path, arch):
     """The folder's tensors (model.safetensors and the .gguf's expanded) are
     what transformers' GGUF reader loads, bit for bit, q/k order included."""
     from transformers import AutoModelForCausalLM
     from sluice_server.gguf_convert import _dequantize_option
 
-    gguf, folder = tiny_llama_gguf(tmp_path)
+    gguf, folder = tiny_llama_gguf(tmp_path, arch=arch)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
                                                  **_dequantize_option())
     want = model.state_dict()
@@ -174,7 +177,7 @@ def test_converted_folder_matches_transformers(tmp_path):
     assert set(got) == set(want)
     for name, s in got.items():
         assert torch.equal(s[:], want[name]), name
-    assert set(GGUFTensors.of_folder(folder).tensors) == {n for n in want if not n.endswith("norm.weight")}
+    assert set(GGUFTensors.of_folder(folder).tensors) == {n for n in want if n.endswith("weight") and want[n].dim() == 2}
 
 
 def test_a_type_the_kernels_do_not_read_stays_float32(tmp_path, kernels):
@@ -195,3 +198,10 @@ def test_a_type_the_kernels_do_not_read_stays_float32(tmp_path, kernels):
         assert dense  # the layers with a Q2_K piece
         matched = ModelRunner(dense_twin(folder, tmp_path / f"twin-{dtype}"), dtype=dtype, block_size=4)
         assert torch.equal(prefill_then_decodes(direct, tokens, 4), prefill_then_decodes(matched, tokens, 4))
+
+
+def test_a_folder_whose_gguf_is_gone_says_so(tmp_path):
+    gguf, folder = tiny_llama_gguf(tmp_path)
+    gguf.unlink()
+    with pytest.raises(FileNotFoundError, match="tiny-llama.gguf, which is gone"):
+        ModelRunner(folder, dtype="auto")
