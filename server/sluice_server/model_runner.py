@@ -313,7 +313,9 @@ class ModelRunner:
         """For a folder whose block-served matrices stay in the .gguf
         (gguf_checkpoint.py), attaches their blocks before any weight is
         loaded, and empties the dense weights nothing will read (the blocks
-        take every step), so those are never written; returns how many
+        take every step), so those are never written (build_model's
+        torch.empty reserved their address space only: no page of theirs is
+        ever touched, so none is resident); returns how many
         layers got blocks, or None for a folder of float32 weights (attached
         after loading, by content: `_prepare_cpu_weights`)."""
         tensors = GGUFTensors.of_folder(self.model_dir)
@@ -363,7 +365,8 @@ class ModelRunner:
                     self.model, self.model_dir, self.dist.world_size, int8=plan.int8, max_rows=plan.block_rows
                 ) + attach_block_experts(self.model, int8=plan.int8, max_rows=plan.block_rows)
         plan = self._plan_with_blocks(plan, blocks)
-        packed = pack_linear_weights(self.model, plan.dense_dtype)
+        pack_linear_weights(self.model, plan.dense_dtype)  # those not packed as they loaded
+        packed = sum(getattr(m, "packed", None) is not None for m in self.model.modules())
         freed = free_unread_weights(self.model)  # each matrix once per kind of step
         log.info(
             "CPU matmuls: %s; %d run GGUF blocks, %d packed dense, %d dense weights freed",
