@@ -1,7 +1,10 @@
 """GGUF's quantized weight blocks, run as they are on CPU for few-row matmuls.
 
-A model served from a .gguf is converted once to a float32 folder (see
-gguf_convert.py); that folder is what every path computes with. On CPU the
+A model served from a .gguf is converted once to a model folder (see
+gguf_convert.py): every weight in float32, or, for Llama, Qwen2 and Qwen3
+files, the block-served matrices left in the .gguf and expanded to dense
+one at a time where a path computes on dense weights (gguf_checkpoint.py:
+CUDA, bfloat16, tensor parallelism, the dense steps of a plan). On CPU the
 weights of a decode step are read from memory once per step, which is the
 whole cost at small batches: Q4_1 blocks are 0.625 bytes per weight against
 float32's 4. So, for each linear layer whose GGUF tensors are in a block
