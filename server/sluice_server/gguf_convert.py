@@ -354,8 +354,10 @@ def write_direct_folder(gguf_path: Path, header: GGUFHeader, folder: Path, sourc
     """Writes config.json, model.safetensors (the tensors that are not
     block-served, float32) and gguf_tensors.json (where the block-served ones
     are) for a file of a direct architecture (module docstring); returns the
-    config. One tensor at a time is expanded; tensors of block types the
-    kernels do not read (Q2_K, Q3_K, i-quants) are among the float32 ones."""
+    config. Tensors of block types the kernels do not read (Q2_K, Q3_K,
+    i-quants) are among the float32 ones, all held until the file is written:
+    a file made mostly of those converts with their float32 size in memory,
+    as every file did before."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, GenerationConfig
