@@ -13,10 +13,16 @@ included).
 
     python benchmarks/weight_memory.py                              # bundled SmolLM2-135M Q4_1
     python benchmarks/weight_memory.py --shape llama-1b --quant Q4_1 # random weights, Llama-3.2-1B's shape
+    python benchmarks/weight_memory.py --shape llama-8b --quant Q4_0 --write-only --out /tmp/wm  # Llama-3-8B's
 
 --shape writes (once, into --out) a random-weight GGUF of that shape with
-the bundled model's vocabulary size; its blocks are valid but meaningless,
-which does not change what is held in memory.
+the bundled model's tokenizer (its 49,152-token vocabulary, merges and chat
+template, copied from the bundled .gguf's metadata, so the bundled tokenizer
+serves it); its blocks are valid but meaningless, which does not change what
+is held in memory. The file is written a tensor at a time (the 8B shape is
+4.4 GB in Q4_0): every tensor's header entry first, then each tensor's
+random blocks made and written in turn. --write-only stops there (the 8B
+shape is served through the real launcher instead, benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -33,10 +39,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / d) for d in ("server", "kernels", "benchmarks")]
 
-# (hidden, layers, heads, kv heads, FFN width, vocabulary)
+# (hidden, layers, heads, kv heads, FFN width, vocabulary, tied output)
 SHAPES = {
-    "llama-1b": (2048, 16, 32, 8, 8192, 49152),  # Llama-3.2-1B, the bundled vocabulary
-    "llama-8b": (4096, 32, 32, 8, 14336, 49152),  # Llama-3-8B, the bundled vocabulary
+    "llama-1b": (2048, 16, 32, 8, 8192, 49152, True),  # Llama-3.2-1B, the bundled vocabulary
+    "llama-8b": (4096, 32, 32, 8, 14336, 49152, False),  # Llama-3-8B (untied output), the bundled vocabulary
 }
 
 
@@ -58,14 +64,27 @@ def random_blocks(shape: tuple[int, int], quant: str, rng: np.random.Generator) 
     return blocks
 
 
-def write_llama_gguf(path: Path, shape: str, quant: str) -> None:
-    """A tied-embedding Llama GGUF of `shape`, every matrix random `quant` blocks."""
+def copy_bundled_tokenizer(writer) -> None:
+    """The bundled model's tokenizer.* metadata (vocabulary, merges, special
+    ids, chat template) into `writer`."""
     import gguf
 
-    from moe_bench import vocabulary
-    from sluice_server.testing import add_bpe_vocabulary
+    from sluice_server.download import bundled_model_path
 
-    h, layers, heads, kv, ffn, vocab = SHAPES[shape]
+    reader = gguf.GGUFReader(str(bundled_model_path()))
+    for name, field in reader.fields.items():
+        if name.startswith("tokenizer."):
+            kind = field.types[0]
+            sub = field.types[1] if kind == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(name, field.contents(), kind, sub)
+
+
+def write_llama_gguf(path: Path, shape: str, quant: str) -> None:
+    """A Llama GGUF of `shape`, every matrix random `quant` blocks, the
+    bundled tokenizer; written a tensor at a time (module docstring)."""
+    import gguf
+
+    h, layers, heads, kv, ffn, vocab, tied = SHAPES[shape]
     d = h // heads
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(layers)
@@ -77,30 +96,35 @@ def write_llama_gguf(path: Path, shape: str, quant: str) -> None:
     writer.add_rope_dimension_count(d)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(5e5)
-    tokens, merges = vocabulary(vocab)
-    add_bpe_vocabulary(writer, tokens, merges)
-    rng = np.random.default_rng(0)
+    copy_bundled_tokenizer(writer)
     qtype = gguf.GGMLQuantizationType[quant]
-
-    def matrix(name: str, rows: int, cols: int) -> None:
-        writer.add_tensor(name, random_blocks((rows, cols), quant, rng), raw_dtype=qtype)
-
-    matrix("token_embd.weight", vocab, h)
-    writer.add_tensor("output_norm.weight", np.ones(h, dtype=np.float32))
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    # (name, rows, cols or None for a norm of `rows` ones), in file order.
+    tensors = [("token_embd.weight", vocab, h), ("output_norm.weight", h, None)]
+    if not tied:
+        tensors.append(("output.weight", vocab, h))
     for i in range(layers):
         b = f"blk.{i}"
-        writer.add_tensor(f"{b}.attn_norm.weight", np.ones(h, dtype=np.float32))
-        writer.add_tensor(f"{b}.ffn_norm.weight", np.ones(h, dtype=np.float32))
-        matrix(f"{b}.attn_q.weight", heads * d, h)
-        matrix(f"{b}.attn_k.weight", kv * d, h)
-        matrix(f"{b}.attn_v.weight", kv * d, h)
-        matrix(f"{b}.attn_output.weight", h, heads * d)
-        matrix(f"{b}.ffn_gate.weight", ffn, h)
-        matrix(f"{b}.ffn_up.weight", ffn, h)
-        matrix(f"{b}.ffn_down.weight", h, ffn)
+        tensors += [(f"{b}.attn_norm.weight", h, None), (f"{b}.ffn_norm.weight", h, None),
+                    (f"{b}.attn_q.weight", heads * d, h), (f"{b}.attn_k.weight", kv * d, h),
+                    (f"{b}.attn_v.weight", kv * d, h), (f"{b}.attn_output.weight", h, heads * d),
+                    (f"{b}.ffn_gate.weight", ffn, h), (f"{b}.ffn_up.weight", ffn, h),
+                    (f"{b}.ffn_down.weight", h, ffn)]
+    for name, rows, cols in tensors:
+        if cols is None:
+            writer.add_tensor_info(name, (rows,), np.dtype(np.float32), rows * 4)
+        else:
+            nbytes = rows * cols // block * size
+            writer.add_tensor_info(name, (rows, cols // block * size), np.dtype(np.uint8), nbytes, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    writer.write_ti_data_to_file()
+    rng = np.random.default_rng(0)
+    for name, rows, cols in tensors:
+        if cols is None:
+            writer.write_tensor_data(np.ones(rows, dtype=np.float32))
+        else:
+            writer.write_tensor_data(random_blocks((rows, cols), quant, rng))
     writer.close()
 
 
@@ -146,6 +170,7 @@ def main() -> None:
     p.add_argument("--out", help="folder for --shape's file and conversions (default: a temporary one)")
     p.add_argument("--dtypes", default="auto,float32")
     p.add_argument("--kv-cache-bytes", type=int, default=32 * 2**20)
+    p.add_argument("--write-only", action="store_true", help="write --shape's file, measure nothing")
     p.add_argument("--one", nargs=2, metavar=("GGUF", "FOLDER"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
@@ -164,6 +189,9 @@ def main() -> None:
             write_llama_gguf(gguf, args.shape, args.quant)
     else:
         gguf = Path(args.model or bundled_model_path())
+    if args.write_only:
+        print(f"{gguf}: {gguf.stat().st_size / 2**20:.1f} MiB")
+        return
     folder = resolve_model(str(gguf), cache_dir=str(out / "converted"))
     print(f"{gguf.name}: {gguf.stat().st_size / 2**20:.1f} MiB; KV cache {args.kv_cache_bytes / 2**20:.0f} MiB")
     print("| --dtype | plan | weight_bytes | of it dense copies | VmRSS after warmup (less before loading) "

@@ -22,9 +22,9 @@ NEW_TOKENS = 24
 @pytest.fixture(scope="module")
 def reference(model_dir):
     import torch
-    from transformers import AutoModelForCausalLM
+    from sluice_server.testing import transformers_model
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model = transformers_model(model_dir, dtype=torch.float32)
     model.eval()
     return model
 

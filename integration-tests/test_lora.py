@@ -93,7 +93,9 @@ def peft_greedy(base: Path, adapter: Path | None, prompts: list[list[int]], new_
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    from sluice_server.testing import transformers_model
+
+    model = transformers_model(base, dtype=torch.float32)
     if adapter is not None:
         model = peft.PeftModel.from_pretrained(model, adapter)
     model.eval()

@@ -6,7 +6,11 @@ also undoes llama.cpp's q/k permutation) and writes the standard layout:
     <cache>/<stem>-<key>/
         config.json               model config
         generation_config.json    bos/eos ids
-        model.safetensors         float32 weights (faithful to the dequantized file)
+        model.safetensors         float32 weights (faithful to the dequantized file);
+                                  for Llama, Qwen2 and Qwen3 files only those the CPU
+                                  kernels do not read as blocks (norms, biases, ...)
+        gguf_tensors.json         Llama, Qwen2, Qwen3: where each block-served matrix
+                                  is in the .gguf, read from there (gguf_checkpoint.py)
         tokenizer.json            fast tokenizer, readable by the Rust router
         tokenizer_config.json     with "chat_template"
         chat_template.jinja       the same template (newer transformers read this)
@@ -29,6 +33,14 @@ file that is not GGUF (magic), one cut short (a tensor ends past the end of
 the file), an architecture no model family serves, a rope scaling type
 no rotary implements, and a tensor type the conversion does not dequantize.
 Nothing is written then.
+
+Llama, Qwen2 and Qwen3 files (gguf_checkpoint.DIRECT_ARCHITECTURES) are
+not read by transformers' model loader: it dequantizes every tensor into a
+float32 model (8.9 GB at Llama-3.2-1B's size, 32 GB at 8B), and the shard
+serves the matrices on their blocks anyway. transformers reads their
+config and tokenizer only; `write_direct_folder` writes the small tensors
+and the table of the block-served ones (gguf_checkpoint.py), a tensor at a
+time, with the same expansion and q/k permutation transformers applies.
 
 Two additions to what transformers reads:
 
@@ -64,6 +76,8 @@ from types import SimpleNamespace
 import numpy as np
 
 from sluice_server.gguf_gpt_oss import ARCH as GPT_OSS_ARCH, write_gpt_oss_folder
+from sluice_server.gguf_checkpoint import TENSORS_FILE, checkpoint_name, dequantized, direct_architecture, manifest, \
+    rotary_heads, unpermute_rotary_rows
 from sluice_server.gguf_header import GGML_QUANT_SIZES, GGUFFormatError, GGUFHeader, read_header, tensor_bytes
 from sluice_server.model_folder import (
     SOURCE_FILE,
@@ -75,7 +89,8 @@ from sluice_server.model_folder import (
 
 
 # Part of the folder key: a change to what a converted folder holds converts again.
-FORMAT_VERSION = 3
+# 4: block-served matrices of Llama/Qwen2/Qwen3 files stay in the .gguf.
+FORMAT_VERSION = 4
 
 # GGUF `general.architecture` -> the model_type transformers writes for it
 # (each one of models.MODEL_FAMILIES). llama.cpp files most Mistral models
@@ -259,6 +274,8 @@ def _write_folder(gguf_path: Path, folder: Path) -> None:
             config = write_mixtral_folder(gguf_path, header, folder, tokenizer)
         elif header.architecture == GPT_OSS_ARCH:
             config = SimpleNamespace(**write_gpt_oss_folder(gguf_path, header, folder, tokenizer))
+        elif direct_architecture(header):
+            config = write_direct_folder(gguf_path, header, folder, source)
         else:
             model = AutoModelForCausalLM.from_pretrained(
                 **source, dtype=torch.float32, trust_remote_code=False, **_config_option(source, header),
@@ -331,6 +348,38 @@ def _write_rope_scaling(folder: Path, params: dict | None) -> None:
     config["rope_parameters"] = rope
     config.pop("rope_scaling", None)
     path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def write_direct_folder(gguf_path: Path, header: GGUFHeader, folder: Path, source: dict):
+    """Writes config.json, model.safetensors (the tensors that are not
+    block-served, float32) and gguf_tensors.json (where the block-served ones
+    are) for a file of a direct architecture (module docstring); returns the
+    config. Tensors of block types the kernels do not read (Q2_K, Q3_K,
+    i-quants) are among the float32 ones, all held until the file is written:
+    a file made mostly of those converts with their float32 size in memory,
+    as every file did before."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = _config_option(source, header).get("config") or AutoConfig.from_pretrained(
+        **source, trust_remote_code=False
+    )
+    config.dtype = torch.float32  # what the weights are expanded to, as the old folders said
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    blocks = manifest(header)
+    small = {}
+    for t in header.tensors:
+        name = checkpoint_name(t.name)
+        if name is None or name in blocks:
+            continue
+        small[name] = torch.from_numpy(dequantized(gguf_path, t, rotary_heads(header, t.name)))
+    save_file(small, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / TENSORS_FILE).write_text(json.dumps({"tensors": blocks}, indent=1) + "\n")
+    config.save_pretrained(folder)
+    GenerationConfig.from_model_config(config).save_pretrained(folder)
+    return config
 
 
 # llama.cpp's Mixtral tensor names -> the checkpoint's, per layer (blk.N.*) or whole.
@@ -419,12 +468,6 @@ def _mixtral_tensors(name: str, value, heads: dict[str, int]) -> dict:
     if rest in ("attn_q.weight", "attn_k.weight"):
         value = unpermute_rotary_rows(value, heads["q" if rest == "attn_q.weight" else "k"])
     return {f"{prefix}.{MIXTRAL_LAYER_NAMES[rest]}": value}
-
-
-def unpermute_rotary_rows(w, heads: int):
-    """Undoes llama.cpp's q/k row order (within a head: the two rotary halves
-    interleaved, pair by pair) back to the checkpoint's (first half, second half)."""
-    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _dequantize_option() -> dict:

@@ -27,7 +27,8 @@ from sluice_server.batch import Batch, RequestState, Work, build_batch
 from sluice_server.distributed import SINGLE, Distributed
 from sluice_server.kv_cache import KVCache
 from sluice_server.layers.backends import get_backend
-from sluice_server.layers.gguf_weights import attach_block_experts, attach_gguf_weights
+from sluice_server.gguf_checkpoint import GGUFTensors
+from sluice_server.layers.gguf_weights import attach_block_experts, attach_gguf_blocks, attach_gguf_weights
 from sluice_server.layers.linear import dense_copy_bytes, free_unread_weights, pack_linear_weights, weight_bytes
 from sluice_server.layers.moe import FusedMoE
 from sluice_server.models import build_model, load_weights, parameter_counts
@@ -277,9 +278,15 @@ class ModelRunner:
         self.cpu_kernels_isa = cpu_kernels.isa_path() if self.uses_cpu_kernels else "none"
         self.backend = get_backend(self.device, attention_backend, cpu_kernels=self.uses_cpu_kernels)
         self.model = build_model(self.config, dist, self.backend, self.dtype, self.device)
-        load_weights(self.model, self.model_dir)
+        plan = blocks = on_loaded = None
         if self.device.type == "cpu" and pack_weights:
-            self.cpu_matmuls = self._prepare_cpu_weights(dtype)
+            plan = plan_cpu_matmuls(dtype, self.dtype, cpu_flags(), self.options.cpu_block_rows)
+            blocks = self._attach_gguf_blocks(plan)
+            if blocks is not None:  # blocks attached already: each weight is packed as soon as it is loaded
+                on_loaded = self._pack_when_loaded(self._plan_with_blocks(plan, blocks).dense_dtype)
+        load_weights(self.model, self.model_dir, skip=self._emptied_parameters(), on_loaded=on_loaded)
+        if plan is not None:
+            self.cpu_matmuls = self._prepare_cpu_weights(plan, blocks)
             if self.cpu_matmuls.block_rows > 0:
                 self.cpu_decoder = build_llama_cpu_decoder(self.model)
         self.kv_dtype = choose_kv_dtype(self.dtype, self.cpu_matmuls, options.kv_cache_dtype, self.device.type)
@@ -308,20 +315,64 @@ class ModelRunner:
         self.lora_dtype = choose_lora_dtype(self.dtype, self.cpu_matmuls, self.lora_kernel(), options.lora_dtype,
                                             max_lora_rank)
 
-    def _prepare_cpu_weights(self, requested_dtype: str) -> CpuMatmuls:
-        """Attaches the GGUF blocks and packs the dense weights as the plan
-        says (sluice_kernels.cpu_matmuls); returns the plan that holds."""
-        plan = plan_cpu_matmuls(requested_dtype, self.dtype, cpu_flags(), self.options.cpu_block_rows)
-        blocks = 0
-        if self.uses_cpu_kernels:  # the block matmuls are C++ kernels
-            blocks = attach_gguf_weights(
-                self.model, self.model_dir, self.dist.world_size, int8=plan.int8, max_rows=plan.block_rows
-            ) + attach_block_experts(self.model, int8=plan.int8, max_rows=plan.block_rows)
+    def _attach_gguf_blocks(self, plan: CpuMatmuls) -> int | None:
+        """For a folder whose block-served matrices stay in the .gguf
+        (gguf_checkpoint.py), attaches their blocks before any weight is
+        loaded, and empties the dense weights nothing will read (the blocks
+        take every step), so those are never written (build_model's
+        torch.empty reserved their address space only: no page of theirs is
+        ever touched, so none is resident); returns how many
+        layers got blocks, or None for a folder of float32 weights (attached
+        after loading, by content: `_prepare_cpu_weights`)."""
+        tensors = GGUFTensors.of_folder(self.model_dir)
+        if tensors is None:
+            return None
+        if not self.uses_cpu_kernels:
+            return 0
+        blocks = attach_gguf_blocks(
+            self.model, tensors, self.dist.world_size, int8=plan.int8, max_rows=plan.block_rows
+        )
+        free_unread_weights(self.model)
+        return blocks
+
+    def _pack_when_loaded(self, dtype: torch.dtype):
+        """load_weights' `on_loaded`: packs a linear layer's weight for oneDNN
+        (in `dtype`, freeing its float32 form) as soon as it is loaded, so a
+        plan that keeps dense weights (`--dtype float32`'s large steps, bf16
+        above a row limit) never holds the whole model in float32 first."""
+        modules = dict(self.model.named_modules())
+
+        def loaded(name: str) -> None:
+            module = modules.get(name.rpartition(".")[0])
+            if name.endswith(".weight") and hasattr(module, "pack_for_cpu_"):
+                module.pack_for_cpu_(dtype)
+
+        return loaded
+
+    def _emptied_parameters(self) -> frozenset[str]:
+        """Parameters emptied before loading (`_attach_gguf_blocks`): not loaded."""
+        return frozenset(n for n, p in self.model.named_parameters(remove_duplicate=False) if p.numel() == 0)
+
+    def _plan_with_blocks(self, plan: CpuMatmuls, blocks: int) -> CpuMatmuls:
+        """The plan that holds once `blocks` layers got GGUF blocks (none:
+        dense only), its dense dtype named (None meant the model's)."""
         if not blocks:
             plan = CpuMatmuls(int8=False, block_rows=0, dense_dtype=None)
-        # The dtype the dense weights are packed in, named (None meant the model's).
-        plan = dataclasses.replace(plan, dense_dtype=plan.dense_dtype or self.dtype)
-        packed = pack_linear_weights(self.model, plan.dense_dtype)
+        return dataclasses.replace(plan, dense_dtype=plan.dense_dtype or self.dtype)
+
+    def _prepare_cpu_weights(self, plan: CpuMatmuls, blocks: int | None) -> CpuMatmuls:
+        """Attaches the GGUF blocks (unless `_attach_gguf_blocks` did:
+        `blocks` is then how many it attached) and packs the dense weights as
+        the plan says (sluice_kernels.cpu_matmuls); returns the plan that holds."""
+        if blocks is None:
+            blocks = 0
+            if self.uses_cpu_kernels:  # the block matmuls are C++ kernels
+                blocks = attach_gguf_weights(
+                    self.model, self.model_dir, self.dist.world_size, int8=plan.int8, max_rows=plan.block_rows
+                ) + attach_block_experts(self.model, int8=plan.int8, max_rows=plan.block_rows)
+        plan = self._plan_with_blocks(plan, blocks)
+        pack_linear_weights(self.model, plan.dense_dtype)  # those not packed as they loaded
+        packed = sum(getattr(m, "packed", None) is not None for m in self.model.modules())
         freed = free_unread_weights(self.model)  # each matrix once per kind of step
         log.info(
             "CPU matmuls: %s; %d run GGUF blocks, %d packed dense, %d dense weights freed",

@@ -24,6 +24,27 @@ TINY = dict(
 TINY_WINDOW = 8
 
 
+def transformers_model(folder: Path, **kwargs):
+    """transformers' model for a model folder (`from_pretrained` kwargs, e.g.
+    dtype): read from the folder, or, for a folder converted from a Llama/Qwen
+    GGUF (whose block-served matrices stay in the .gguf: gguf_checkpoint.py),
+    from the .gguf itself, which transformers dequantizes exactly as the
+    folder's tensors are (server/tests/test_gguf_direct.py)."""
+    import transformers
+
+    from sluice_server.gguf_checkpoint import GGUFTensors
+
+    folder = Path(folder)
+    tensors = GGUFTensors.of_folder(folder)
+    if tensors is None:
+        return transformers.AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    from sluice_server.gguf_convert import _dequantize_option
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(tensors.gguf.parent), gguf_file=tensors.gguf.name, **kwargs, **_dequantize_option()
+    )
+
+
 def make_tiny_model(folder: Path, kind: str = "llama", seed: int = 0, **overrides) -> Path:
     """Saves a random-weight model (float32) in HF layout into `folder`.
 
@@ -284,7 +305,7 @@ def make_lora_adapter(
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = transformers_model(base, dtype=torch.float32)
     config = peft.LoraConfig(
         r=r, lora_alpha=alpha, target_modules=list(target_modules), use_rslora=use_rslora, lora_dropout=0.0,
         init_lora_weights=False, task_type="CAUSAL_LM",

@@ -54,9 +54,9 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 def reference_logits(folder: Path, token_ids: list[int]) -> torch.Tensor:
     """transformers' logits for every position of one sequence, [L, vocab]."""
-    import transformers
+    from sluice_server.testing import transformers_model
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    model = transformers_model(folder, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         return model(torch.tensor([token_ids])).logits[0].float()
 

@@ -53,10 +53,10 @@ def wait_started(proc: subprocess.Popen, sock_dir: str) -> grpc.Channel:
 
 
 def test_triton_backend_flag_serves_greedy_tokens(model_dir):
-    import transformers
+    from sluice_server.testing import transformers_model
 
     tokens = [5, 9, 17, 33, 4, 81, 12]
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = transformers_model(model_dir, dtype=torch.float32)
     want = model.generate(torch.tensor([tokens]), max_new_tokens=3, do_sample=False, eos_token_id=None,
                           pad_token_id=0, min_new_tokens=3)[0, len(tokens):].tolist()
 

@@ -82,31 +82,32 @@ def folder_name(gguf_name: str) -> str:
 
 def test_converted_folder_is_the_gguf_decoded_independently(smollm2_dir, smollm2_gguf):
     from gguf import GGUFReader
-    from safetensors import safe_open
+
+    from sluice_server.models import checkpoint_slices
 
     config = json.loads((smollm2_dir / "config.json").read_text())
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     tensors = GGUFReader(str(smollm2_gguf)).tensors
     assert {t.tensor_type.name for t in tensors} == {"F32", "Q4_1", "Q8_0"}
     seen = set()
-    with safe_open(str(smollm2_dir / "model.safetensors"), "np") as folder:
-        names = set(folder.keys())
-        for t in tensors:
-            name = folder_name(t.name)
-            ours = folder.get_tensor(name).astype(np.float32)
-            want = decode(t).reshape(ours.shape)
-            if ".attn_q." in t.name:
-                ours = rotary_order(ours, heads)
-            elif ".attn_k." in t.name:
-                ours = rotary_order(ours, kv_heads)
-            assert np.array_equal(ours, want), t.name
-            seen.add(name)
-        # Tied: the GGUF has no output.weight; the folder's head (if it
-        # stores one) is the embedding.
-        assert "output.weight" not in {t.name for t in tensors} and config["tie_word_embeddings"]
-        if "lm_head.weight" in names:
-            assert np.array_equal(folder.get_tensor("lm_head.weight"), folder.get_tensor("model.embed_tokens.weight"))
-            seen.add("lm_head.weight")
+    folder = {name: s[:].numpy() for name, s in checkpoint_slices(smollm2_dir)}  # model.safetensors and the .gguf's
+    names = set(folder)
+    for t in tensors:
+        name = folder_name(t.name)
+        ours = folder[name].astype(np.float32)
+        want = decode(t).reshape(ours.shape)
+        if ".attn_q." in t.name:
+            ours = rotary_order(ours, heads)
+        elif ".attn_k." in t.name:
+            ours = rotary_order(ours, kv_heads)
+        assert np.array_equal(ours, want), t.name
+        seen.add(name)
+    # Tied: the GGUF has no output.weight; the folder's head (if it
+    # stores one) is the embedding.
+    assert "output.weight" not in {t.name for t in tensors} and config["tie_word_embeddings"]
+    if "lm_head.weight" in names:
+        assert np.array_equal(folder["lm_head.weight"], folder["model.embed_tokens.weight"])
+        seen.add("lm_head.weight")
     assert seen == names  # nothing in the folder that the GGUF does not hold
 
 
@@ -115,8 +116,10 @@ def test_converted_model_answers_correctly(smollm2_dir):
     know the capital of France."""
     import transformers
 
+    from sluice_server.testing import transformers_model
+
     tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
-    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    model = transformers_model(smollm2_dir, dtype=torch.float32)
     ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=4, do_sample=False)

@@ -151,9 +151,9 @@ def shard_greedy(runner: ModelRunner, prompts: list[list[int]], n: int) -> list[
 
 def transformers_greedy(folder, prompts: list[list[int]], n: int) -> list[list[int]]:
     """transformers' generate, greedy, exactly n tokens per prompt (EOS ignored), one prompt at a time."""
-    import transformers
+    from sluice_server.testing import transformers_model
 
-    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    reference = transformers_model(folder, dtype=torch.float32)
     with torch.no_grad():
         return [
             reference.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False,

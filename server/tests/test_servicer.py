@@ -79,9 +79,9 @@ def new_request(rid, tokens, blocks, num_new=None, computed=0, params=GREEDY):
 
 
 def hf_greedy(model_dir: Path, tokens: list[int], n: int) -> list[int]:
-    import transformers
+    from sluice_server.testing import transformers_model
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = transformers_model(model_dir, dtype=torch.float32)
     out = model.generate(torch.tensor([tokens]), max_new_tokens=n, do_sample=False, eos_token_id=None,
                          pad_token_id=0, min_new_tokens=n)
     return out[0, len(tokens):].tolist()

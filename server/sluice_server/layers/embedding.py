@@ -30,7 +30,9 @@ class VocabParallelEmbedding(nn.Module):
         part = -(-vocab_size // dist.world_size)
         self.start = dist.rank * part
         self.end = self.start + part
-        self.weight = nn.Parameter(torch.zeros(part, hidden_size), requires_grad=False)
+        # Allocated, not written: a table the shard serves from GGUF blocks is
+        # emptied before loading and never takes memory (`_load` zeroes the padding).
+        self.weight = nn.Parameter(torch.empty(part, hidden_size), requires_grad=False)
         self.weight.weight_loader = self._load
         # The table's GGUF blocks (layers.gguf_weights), which the lookup
         # reads once the dense table is freed; its [rows, hidden] shape then.

@@ -1,7 +1,10 @@
 """GGUF's quantized weight blocks, run as they are on CPU for few-row matmuls.
 
-A model served from a .gguf is converted once to a float32 folder (see
-gguf_convert.py); that folder is what every path computes with. On CPU the
+A model served from a .gguf is converted once to a model folder (see
+gguf_convert.py): every weight in float32, or, for Llama, Qwen2 and Qwen3
+files, the block-served matrices left in the .gguf and expanded to dense
+one at a time where a path computes on dense weights (gguf_checkpoint.py:
+CUDA, bfloat16, tensor parallelism, the dense steps of a plan). On CPU the
 weights of a decode step are read from memory once per step, which is the
 whole cost at small batches: Q4_1 blocks are 0.625 bytes per weight against
 float32's 4. So, for each linear layer whose GGUF tensors are in a block
@@ -25,10 +28,20 @@ Two arithmetics on the blocks (`QuantizedWeight.int8`):
   benchmarks/quality.py. A row's result is the same whatever else is in its
   matmul (see cpu_q8_linear.cpp).
 
-The blocks are attached only where they expand to exactly the float32 weight
-the layer holds. The GGUF's row order differs for q/k (llama.cpp permutes
-them for its rotary layout), so each tensor's rows are matched to the
-layer's rows by content rather than by a hard-coded permutation.
+Two ways to attach them:
+
+- `attach_gguf_blocks`, for a folder whose block-served matrices stay in the
+  .gguf (gguf_checkpoint.py: Llama, Qwen2, Qwen3 files): before any weight
+  is loaded, straight from the memory-mapped file, the q/k rows put back in
+  the checkpoint's order by llama.cpp's permutation undone
+  (`BlockTensor.row_order`). A layer whose blocks take every step then has
+  its dense weight emptied before it is ever written, so the shard never
+  holds a float32 form of it (model_runner.py skips loading it).
+- `attach_gguf_weights`, for a folder holding every weight in float32 (the
+  other families): only where the blocks expand to exactly the float32
+  weight the layer holds, each tensor's rows matched to the layer's rows by
+  content (which also finds the q/k order). It is the oracle the direct
+  path is tested against (server/tests/test_gguf_direct.py).
 
     ours                                  GGUF tensors (piece order)
     layers.i.self_attn.qkv_proj           blk.i.attn_q, attn_k, attn_v
@@ -75,6 +88,7 @@ from torch import nn
 from sluice_kernels import cpu_kernels, gguf_blocks
 from sluice_kernels.gguf_blocks import QuantizedWeight
 from sluice_kernels.moe import QuantizedExperts, pack_experts
+from sluice_server.gguf_checkpoint import GGUFTensors
 from sluice_server.model_folder import SOURCE_FILE
 from sluice_server.layers.moe import FusedMoE
 
@@ -161,16 +175,53 @@ def attach_gguf_weights(model: nn.Module, folder: Path, world_size: int, *, int8
         if first != n or len(pieces) != len(names):
             log.warning("GGUF blocks of %s do not match the loaded weight; using float32 only", names[0])
             continue
-        records = gguf_blocks.Records(*(np.concatenate(parts) for parts in zip(*((r.sw, r.cw, r.wq) for r in pieces))))
-        fmt = gguf_blocks.layout(types, records)
-        module.quantized = QuantizedWeight(gguf_blocks.pack(records, fmt), fmt, n, int8, max_rows)
+        module.quantized = _quantized(pieces, types, n, int8=int8, max_rows=max_rows)
         attached += module is not model.model.embed_tokens
-    embedding, head = model.model.embed_tokens, model.lm_head
-    if head.weight is embedding.weight and head.quantized is not None:
-        embedding.quantized = head.quantized  # tied: the rows matched the table itself
+    _share_tied_blocks(model)
     for i, layer in enumerate(model.model.layers):
         if isinstance(layer.mlp, FusedMoE):
             attached += attach_experts(layer.mlp, tensors, i, int8=int8)
+    return attached
+
+
+def _quantized(pieces: list, types: set[str], n: int, *, int8: bool, max_rows: int) -> QuantizedWeight:
+    """One layer's blocks: its pieces' records (in the layer's row order) stacked and packed."""
+    records = gguf_blocks.Records(*(np.concatenate(parts) for parts in zip(*((r.sw, r.cw, r.wq) for r in pieces))))
+    fmt = gguf_blocks.layout(types, records)
+    return QuantizedWeight(gguf_blocks.pack(records, fmt), fmt, n, int8, max_rows)
+
+
+def _share_tied_blocks(model: nn.Module) -> None:
+    embedding, head = model.model.embed_tokens, model.lm_head
+    if head.weight is embedding.weight and head.quantized is not None:
+        embedding.quantized = head.quantized  # tied: the head's rows are the table's
+
+
+def attach_gguf_blocks(model: nn.Module, tensors: GGUFTensors, world_size: int, *, int8: bool, max_rows: int) -> int:
+    """Attaches the blocks of a folder's block-served matrices (`tensors`,
+    read from the .gguf) to every layer whose pieces all are, before its
+    weights are loaded; returns how many layers got them (the embedding not
+    counted). Their dense weights are left as allocated (never written):
+    the caller empties those nothing reads (layers.linear.free_unread_weights)
+    before loading the rest."""
+    if world_size != 1 or max_rows <= 0 or not cpu_kernels.loaded():
+        return 0
+    attached = 0
+    for module, names in _pieces(model):
+        wanted = [tensors.by_gguf_name.get(name) for name in names]
+        n, k = module.weight.shape
+        if module.weight.dtype != torch.float32 or any(t is None or t.shape[1] != k for t in wanted):
+            continue
+        pieces = []
+        for t in wanted:
+            records = gguf_blocks.unpack(t.type_name, tensors.blocks(t), k)
+            order = t.row_order()
+            pieces.append(records if order is None else records.take(order))
+        if sum(len(r.wq) for r in pieces) != n:
+            raise ValueError(f"GGUF tensors {names} have {sum(t.shape[0] for t in wanted)} rows; the layer has {n}")
+        module.quantized = _quantized(pieces, {t.type_name for t in wanted}, n, int8=int8, max_rows=max_rows)
+        attached += module is not model.model.embed_tokens
+    _share_tied_blocks(model)
     return attached
 
 

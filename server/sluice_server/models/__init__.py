@@ -3,7 +3,10 @@
 `build_model(config, ...)` picks the family from config.json's model_type;
 `load_weights(model, folder)` copies every safetensors tensor into its
 parameter through the parameter's `weight_loader`, which takes only this
-rank's tensor-parallel slice.
+rank's tensor-parallel slice; in a folder converted from a Llama/Qwen GGUF,
+the block-served matrices come from the .gguf, expanded one at a time
+(gguf_checkpoint.py), except those of parameters the shard emptied because
+their layer serves every step on the blocks (`skip`).
 
     model_type          file                 what it adds
     llama, mistral,     models/llama.py      (the base: GQA, rotary, SwiGLU;
@@ -37,13 +40,14 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 from safetensors import safe_open
 
 from sluice_server.distributed import Distributed
+from sluice_server.gguf_checkpoint import GGUFTensors
 from sluice_server.layers.attention import AttentionBackend
 from sluice_server.models.gemma3 import Gemma3ForCausalLM
 from sluice_server.models.gpt_oss import GptOssForCausalLM
@@ -183,30 +187,53 @@ def parameter_counts(folder: Path, config) -> tuple[int, int]:
                 n = math.prod(f.get_slice(name).get_shape()) * (2 if name.endswith("_blocks") else 1)
                 total += n
                 experts += n if ".experts." in name else 0
+    gguf = GGUFTensors.of_folder(folder)
+    total += gguf.parameter_count() if gguf is not None else 0
     moe = getattr(config, "moe", None)
     if moe is None:
         return total, total
     return total, total - experts + experts * moe.top_k // moe.num_experts
 
 
-def load_weights(model: nn.Module, folder: Path) -> None:
+def checkpoint_slices(folder: Path):
+    """(name, slice) for every checkpoint tensor of `folder`: the safetensors
+    files' (each file open while its tensors are read), then the .gguf's
+    block-served matrices (gguf_checkpoint.DenseSlice) where the folder has them."""
+    for path in safetensors_files(folder):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_slice(name)
+    gguf = GGUFTensors.of_folder(folder)
+    if gguf is not None:
+        yield from gguf.slices()
+
+
+def load_weights(
+    model: nn.Module, folder: Path, skip: frozenset[str] = frozenset(), on_loaded: Callable[[str], None] | None = None
+) -> None:
+    """Loads every parameter of `model` from `folder`, but those named in
+    `skip` (emptied by the shard: their layer computes on GGUF blocks only),
+    whose tensors are not read. `on_loaded(name)` is called as soon as a
+    parameter has all its pieces (the shard packs it then)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = getattr(model.config, "tie_word_embeddings", False)
     # A fused parameter (qkv, gate_up) is complete once each of its pieces loaded.
     pieces_needed = {name: getattr(p, "num_pieces", 1) for name, p in params.items()}
-    loaded: dict[str, set[int]] = {}
-    for path in safetensors_files(folder):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name.endswith(model.ignored_suffixes) or (tied and name == "lm_head.weight"):
-                    continue
-                target, shard_id = _target(model, name)
-                if target not in params:
-                    raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(model).__name__}")
-                param = params[target]
-                for piece, piece_id in _pieces(model, target, f.get_slice(name)):
-                    param.weight_loader(param, piece, shard_id + piece_id)
-                    loaded.setdefault(target, set()).add(shard_id + piece_id)
+    loaded: dict[str, set[int]] = {name: set(range(pieces_needed[name])) for name in skip}
+    for name, tensor_slice in checkpoint_slices(folder):
+        if name.endswith(model.ignored_suffixes) or (tied and name == "lm_head.weight"):
+            continue
+        target, shard_id = _target(model, name)
+        if target not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(model).__name__}")
+        if target in skip:
+            continue
+        param = params[target]
+        for piece, piece_id in _pieces(model, target, tensor_slice):
+            param.weight_loader(param, piece, shard_id + piece_id)
+            loaded.setdefault(target, set()).add(shard_id + piece_id)
+        if on_loaded is not None and len(loaded[target]) == pieces_needed[target]:
+            on_loaded(target)
     if tied:
         loaded["lm_head.weight"] = {0}
     missing = [n for n, k in pieces_needed.items() if len(loaded.get(n, ())) != k]
