@@ -195,10 +195,10 @@ void expand_pairs(const float* h, int64_t h_stride, const uint16_t* block, int64
 }
 
 #ifdef SLUICE_X86
-#define SLUICE_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define LORA_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
 // n float32 to bfloat16, rounded to nearest even (VCVTNEPS2BF16).
-SLUICE_BF16_TARGET inline void to_bf16(const float* x, int64_t n, uint16_t* out) {
+LORA_BF16_TARGET inline void to_bf16(const float* x, int64_t n, uint16_t* out) {
   for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 mask = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
     const __m256bh v = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, x + j));
@@ -209,7 +209,7 @@ SLUICE_BF16_TARGET inline void to_bf16(const float* x, int64_t n, uint16_t* out)
 // shrink_rows with AVX512-BF16's pair dot product: x rounded to bfloat16,
 // each lane's pair of products added to its float32 sum.
 template <int M>
-SLUICE_BF16_TARGET void shrink_pairs_dp(const float* x, int64_t x_stride, const uint16_t* panel, int64_t i0,
+LORA_BF16_TARGET void shrink_pairs_dp(const float* x, int64_t x_stride, const uint16_t* panel, int64_t i0,
                                         int64_t i1, float* out, int64_t out_stride) {
   alignas(64) uint16_t xb[M][kChunk];
   for (int m = 0; m < M; ++m) to_bf16(x + m * x_stride + i0, i1 - i0, xb[m]);
@@ -229,7 +229,7 @@ SLUICE_BF16_TARGET void shrink_pairs_dp(const float* x, int64_t x_stride, const 
 // expand_rows with the pair dot product: h rounded to bfloat16 (h[m][r]
 // must be 0 when r is odd).
 template <int M>
-SLUICE_BF16_TARGET void expand_pairs_dp(const float* h, int64_t h_stride, const uint16_t* block, int64_t r, float* y,
+LORA_BF16_TARGET void expand_pairs_dp(const float* h, int64_t h_stride, const uint16_t* block, int64_t r, float* y,
                                         int64_t y_stride, int64_t lo, int64_t hi, float scale) {
   const int64_t r2 = (r + 1) / 2 * 2;
   thread_local std::vector<uint16_t> hb_scratch;
