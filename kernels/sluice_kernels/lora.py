@@ -111,9 +111,14 @@ def lora_dims(a: torch.Tensor, b: torch.Tensor, packed: bool, out_features: int 
     R = b.shape[2]
     _need(out_features is not None and b.shape[0] == S and b.shape[1] == -(-out_features // OUT_BLOCK)
           and panels == -(-R // LANES), "packed b must be [S, ceil(OUT / 64), R, 64] with a's S and R")
-    _need(a.dtype != torch.bfloat16 or (IN % 2 == 0 and R % 2 == 0),
-          f"bfloat16 stacks hold pairs: their rank ({R}) and input size ({IN}) must be even")
+    if a.dtype == torch.bfloat16:
+        _check_pairs(R, IN)
     return LoraDims(S, P, R, IN, out_features)
+
+
+def _check_pairs(rank: int, in_features: int) -> None:
+    _need(rank % 2 == 0 and in_features % 2 == 0,
+          f"bfloat16 stacks hold pairs: their rank ({rank}) and input size ({in_features}) must be even")
 
 
 def check_segments(seg_starts: torch.Tensor, seg_ends: torch.Tensor, seg_slots: torch.Tensor, rows: int,
@@ -217,7 +222,7 @@ def lora_pack_cpu(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype = torch.f
     b_pad[:, :OUT] = b
     b_packed = b_pad.view(S, blocks, OUT_BLOCK, R).transpose(2, 3).contiguous()
     if dtype == torch.bfloat16:
-        _need(IN % 2 == 0 and R % 2 == 0, f"bfloat16 stacks hold pairs: rank ({R}) and input size ({IN}) must be even")
+        _check_pairs(R, IN)
         a_packed, b_packed = to_pairs(a_packed).contiguous(), to_pairs(b_packed).contiguous()
     return a_packed, b_packed
 

@@ -49,12 +49,16 @@
 // or the number of threads. A decode step reads each adapter's A and B once
 // per layer (once per block of rows); pieces of rank 0 are skipped.
 //
-// The stacks are float32 or bfloat16 (--lora-dtype; both packed alike, a
-// and b of one dtype); x, y, h and every sum are float32. A bfloat16
-// element is widened exactly as it is read (its 16 bits are a float32's
-// upper half), so the two dtypes differ only by the stacks' rounding, and a
-// decode step reads half the bytes of stacks (most of its LoRA time where
-// several adapters share it: each one's stacks are read once a layer). The
+// The stacks are float32 or bfloat16 (--lora-dtype, a and b of one dtype);
+// y and every sum are float32. bfloat16 stacks hold each panel and block in
+// pairs (sluice_kernels.lora.to_pairs: two inputs, or two ranks, in each
+// 32-bit lane), so a decode step reads half the bytes of stacks (most of its
+// LoRA time where several adapters share it: each one's stacks are read
+// once a layer). On a CPU with AVX512-BF16 they are multiplied with its pair
+// dot product, x and h rounded to bfloat16 (Math::PAIRS_DP); elsewhere each
+// pair is widened exactly (its 16 bits are a float32's upper half) and
+// multiplied in float32 as float32 stacks are, in the same order, so the
+// result is the float32 kernel's on the rounded stacks (Math::PAIRS). The
 // vectors are GCC/Clang vector types, which -march=native lowers to the
 // host's widest registers (AVX-512, AVX2, or SSE).
 //
@@ -330,9 +334,9 @@ class LoraKernel {
     // on several adapters (a segment each), one adapter's rows of a bigger
     // step, or a prefill take it: one fork/join a call, and each item
     // streams one adapter's stacks front to back. A block has at most
-    // kRowBlock rows and, where the step is small, about a quarter of a
-    // thread's share of the rows, but no fewer than kMinBlockRows: a block
-    // reads its adapter's stacks again (from cache, mostly).
+    // kRowBlock rows and, where the step is small, half a thread's share of
+    // the rows, but no fewer than kMinBlockRows: a block reads its adapter's
+    // stacks again (from cache, mostly).
     const int64_t threads = at::get_num_threads();
     int64_t rows = 0;
     for (int64_t g = 0; g < G_; ++g) rows += end_[g] - start_[g];
