@@ -25,10 +25,14 @@
 //   shrink  per piece and chunk of KC inputs: a partial h over the chunk's
 //           inputs, 16 ranks per vector, one multiply-add per input and row
 //           (rows in registers, 8 at a time)
-//   expand  per block of 64 outputs: h summed over the chunks, then one
-//           multiply-add per rank over the block's 64 outputs (4 rows x 4
-//           vectors in registers), for each piece in the block (only its own
-//           outputs are written)
+//   expand  h summed over the chunks (and, multiplied in bfloat16 pairs,
+//           rounded) once per row and piece; then per block of 64 outputs
+//           one multiply-add per rank over the block's 64 outputs (4 rows x
+//           4 vectors in registers), for each piece in the block (only its
+//           own outputs are written)
+//
+// (x, multiplied in bfloat16 pairs, is rounded once per row for every
+// piece and chunk in the one-loop plan, once per chunk in the other.)
 //
 // and two ways to spread them over the threads (LoraKernel::run picks):
 //
@@ -72,6 +76,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -101,14 +106,15 @@ inline v16 load(const float* p) {
 inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
 
 // acc[m] = sum_{i in [i0, i1)} x[m][i] * panel[i]  for M rows, one 16-rank panel
-// of W (float, or bfloat16's bits).
+// of W (float, or bfloat16's bits). Here and below, x[m][i] is
+// x[m * x_stride + i - x_base]: the rows may hold the inputs from x_base on.
 template <int M, typename W>
-void shrink_rows(const float* x, int64_t x_stride, const W* panel, int64_t i0, int64_t i1, float* out,
+void shrink_rows(const float* x, int64_t x_stride, int64_t x_base, const W* panel, int64_t i0, int64_t i1, float* out,
                  int64_t out_stride) {
   v16 acc[M] = {};
   for (int64_t i = i0; i < i1; ++i) {
     const v16 av = load(panel + i * kLanes);
-    for (int m = 0; m < M; ++m) acc[m] += x[m * x_stride + i] * av;
+    for (int m = 0; m < M; ++m) acc[m] += x[m * x_stride + i - x_base] * av;
   }
   for (int m = 0; m < M; ++m) store(out + m * out_stride, acc[m]);
 }
@@ -164,15 +170,15 @@ inline void load_pairs(const uint16_t* p, v16& lower, v16& upper) {
 // shrink_rows on a panel of pairs (inputs 2i, 2i+1 of each rank), widened
 // and multiplied in float32: the same sums, in the same order.
 template <int M>
-void shrink_pairs(const float* x, int64_t x_stride, const uint16_t* panel, int64_t i0, int64_t i1, float* out,
-                  int64_t out_stride) {
+void shrink_pairs(const float* x, int64_t x_stride, int64_t x_base, const uint16_t* panel, int64_t i0, int64_t i1,
+                  float* out, int64_t out_stride) {
   v16 acc[M] = {};
   for (int64_t i = i0; i < i1; i += 2) {
     v16 even, odd;
     load_pairs(panel + i * kLanes, even, odd);
     for (int m = 0; m < M; ++m) {
-      acc[m] += x[m * x_stride + i] * even;
-      acc[m] += x[m * x_stride + i + 1] * odd;
+      acc[m] += x[m * x_stride + i - x_base] * even;
+      acc[m] += x[m * x_stride + i + 1 - x_base] * odd;
     }
   }
   for (int m = 0; m < M; ++m) store(out + m * out_stride, acc[m]);
@@ -210,36 +216,31 @@ LORA_BF16_TARGET inline void to_bf16(const float* x, int64_t n, uint16_t* out) {
   }
 }
 
-// shrink_rows with AVX512-BF16's pair dot product: x rounded to bfloat16,
-// each lane's pair of products added to its float32 sum.
+// shrink_rows with AVX512-BF16's pair dot product on x rounded to bfloat16
+// (xb, rounded once for all the panels and pieces that read it): each lane's
+// pair of products added to its float32 sum.
 template <int M>
-LORA_BF16_TARGET void shrink_pairs_dp(const float* x, int64_t x_stride, const uint16_t* panel, int64_t i0,
-                                        int64_t i1, float* out, int64_t out_stride) {
-  alignas(64) uint16_t xb[M][kChunk];
-  for (int m = 0; m < M; ++m) to_bf16(x + m * x_stride + i0, i1 - i0, xb[m]);
+LORA_BF16_TARGET void shrink_pairs_dp(const uint16_t* xb, int64_t x_stride, int64_t x_base, const uint16_t* panel,
+                                        int64_t i0, int64_t i1, float* out, int64_t out_stride) {
   __m512 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t i = i0; i < i1; i += 2) {
     const __m512bh av = (__m512bh)_mm512_loadu_si512(panel + i * kLanes);
     for (int m = 0; m < M; ++m) {
       uint32_t pair;
-      std::memcpy(&pair, xb[m] + (i - i0), 4);
+      std::memcpy(&pair, xb + m * x_stride + i - x_base, 4);
       acc[m] = _mm512_dpbf16_ps(acc[m], av, (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)));
     }
   }
   for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + m * out_stride, acc[m]);
 }
 
-// expand_rows with the pair dot product: h rounded to bfloat16 (h[m][r]
-// must be 0 when r is odd).
+// expand_rows with the pair dot product on h rounded to bfloat16 (hb, rounded
+// once for every output block; hb[m][r] must be 0 when r is odd).
 template <int M>
-LORA_BF16_TARGET void expand_pairs_dp(const float* h, int64_t h_stride, const uint16_t* block, int64_t r, float* y,
-                                        int64_t y_stride, int64_t lo, int64_t hi, float scale) {
+LORA_BF16_TARGET void expand_pairs_dp(const uint16_t* hb, int64_t h_stride, const uint16_t* block, int64_t r,
+                                        float* y, int64_t y_stride, int64_t lo, int64_t hi, float scale) {
   const int64_t r2 = (r + 1) / 2 * 2;
-  thread_local std::vector<uint16_t> hb_scratch;
-  hb_scratch.resize(M * r2);
-  uint16_t* hb[M];
-  for (int m = 0; m < M; ++m) to_bf16(h + m * h_stride, r2, hb[m] = hb_scratch.data() + m * r2);
   __m512 acc[M][4];
   for (int m = 0; m < M; ++m)
     for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_setzero_ps();
@@ -249,7 +250,7 @@ LORA_BF16_TARGET void expand_pairs_dp(const float* h, int64_t h_stride, const ui
     for (int v = 0; v < 4; ++v) b[v] = (__m512bh)_mm512_loadu_si512(bk + 32 * v);
     for (int m = 0; m < M; ++m) {
       uint32_t pair;
-      std::memcpy(&pair, hb[m] + k, 4);
+      std::memcpy(&pair, hb + m * h_stride + k, 4);
       const __m512bh hp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
       for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], b[v], hp);
     }
@@ -277,22 +278,36 @@ bool bf16_products() {
 // bfloat16 pairs multiplied in pairs (AVX512-BF16).
 enum class Math { FLOAT, PAIRS, PAIRS_DP };
 
+// What the products read x and h as: float32, or bfloat16's bits where
+// they are multiplied in bfloat16 pairs.
+template <Math K>
+using Operand = std::conditional_t<K == Math::PAIRS_DP, uint16_t, float>;
+
+// n values of each of `rows` rows (x_stride apart) rounded to bfloat16, into
+// out (out_stride apart): x and h as Math::PAIRS_DP multiplies them.
+inline void round_rows(const float* x, int64_t x_stride, int64_t rows, int64_t n, uint16_t* out, int64_t out_stride) {
+#ifdef SLUICE_X86
+  for (int64_t m = 0; m < rows; ++m) to_bf16(x + m * x_stride, n, out + m * out_stride);
+#endif
+}
+
 // shrink_rows / shrink_pairs / shrink_pairs_dp for M rows, by Math.
 template <Math K, int M, typename W>
-void shrink(const float* x, int64_t x_stride, const W* panel, int64_t i0, int64_t i1, float* out, int64_t out_stride) {
+void shrink(const Operand<K>* x, int64_t x_stride, int64_t x_base, const W* panel, int64_t i0, int64_t i1, float* out,
+            int64_t out_stride) {
   if constexpr (K == Math::FLOAT) {
-    shrink_rows<M, W>(x, x_stride, panel, i0, i1, out, out_stride);
+    shrink_rows<M, W>(x, x_stride, x_base, panel, i0, i1, out, out_stride);
   } else if constexpr (K == Math::PAIRS) {
-    shrink_pairs<M>(x, x_stride, panel, i0, i1, out, out_stride);
+    shrink_pairs<M>(x, x_stride, x_base, panel, i0, i1, out, out_stride);
   } else {
 #ifdef SLUICE_X86
-    shrink_pairs_dp<M>(x, x_stride, panel, i0, i1, out, out_stride);
+    shrink_pairs_dp<M>(x, x_stride, x_base, panel, i0, i1, out, out_stride);
 #endif
   }
 }
 
 template <Math K, int M, typename W>
-void expand(const float* h, int64_t h_stride, const W* block, int64_t r, float* y, int64_t y_stride, int64_t lo,
+void expand(const Operand<K>* h, int64_t h_stride, const W* block, int64_t r, float* y, int64_t y_stride, int64_t lo,
             int64_t hi, float scale) {
   if constexpr (K == Math::FLOAT) {
     expand_rows<M, W>(h, h_stride, block, r, y, y_stride, lo, hi, scale);
@@ -325,7 +340,8 @@ class LoraKernel {
              const int32_t* rank, const float* scale)
       : as_(as), bs_(bs), bound_(bound), start_(start), end_(end), slot_(slot), G_(G), rank_(rank), scale_(scale),
         P_(a.size(1)), RP_(a.size(2) * kLanes), IN_(a.size(3)), NB_(b.size(1)), R_(b.size(2)), OUT_(y.size(1)),
-        NC_((IN_ + kChunk - 1) / kChunk), h_stride_(P_ * NC_ * RP_), xs_(x.data_ptr<float>()),
+        NC_((IN_ + kChunk - 1) / kChunk), h_stride_(P_ * NC_ * RP_), R2_((R_ + 1) / 2 * 2), hp_stride_(P_ * R2_),
+        xs_(x.data_ptr<float>()),
         ys_(y.data_ptr<float>()), x_stride_(x.stride(0)), y_stride_(y.stride(0)) {}
 
   void run() {
@@ -352,35 +368,84 @@ class LoraKernel {
   }
 
  private:
-  // h partial of piece p, chunk c for rows [t0, t1) of segment g: h_rows
-  // points at row t0's h (rows h_stride_ apart), laid out [P, NC, RP].
-  void shrink_chunk(int64_t g, int64_t p, int64_t c, int64_t t0, int64_t t1, float* h_rows) const {
+  using X = Operand<K>;
+
+  // h partial of piece p, chunk c for rows [t0, t1) of segment g: x_rows
+  // holds row t0's inputs from x_base on (rows x_stride apart, as the
+  // products read them: Operand<K>); h_rows points at row t0's h (rows
+  // h_stride_ apart), laid out [P, NC, RP].
+  void shrink_chunk(int64_t g, int64_t p, int64_t c, int64_t t0, int64_t t1, const X* x_rows, int64_t x_stride,
+                    int64_t x_base, float* h_rows) const {
     const int64_t s = slot_[g], r = rank_[s * P_ + p];
     if (r == 0) return;
     const int64_t i0 = c * kChunk, i1 = std::min(IN_, i0 + kChunk);
     for (int64_t pan = 0; pan * kLanes < r; ++pan) {
       const W* panel = as_ + ((s * P_ + p) * (RP_ / kLanes) + pan) * IN_ * kLanes;
       by_rows(t1 - t0, 8, [&](int64_t t, int64_t m) {
-        const float* x_rows = xs_ + (t0 + t) * x_stride_;
+        const X* x = x_rows + t * x_stride;
         float* out = h_rows + t * h_stride_ + (p * NC_ + c) * RP_ + pan * kLanes;
         switch (m) {
-          case 8: shrink<K, 8, W>(x_rows, x_stride_, panel, i0, i1, out, h_stride_); break;
-          case 7: shrink<K, 7, W>(x_rows, x_stride_, panel, i0, i1, out, h_stride_); break;
-          case 6: shrink<K, 6, W>(x_rows, x_stride_, panel, i0, i1, out, h_stride_); break;
-          case 5: shrink<K, 5, W>(x_rows, x_stride_, panel, i0, i1, out, h_stride_); break;
-          case 4: shrink<K, 4, W>(x_rows, x_stride_, panel, i0, i1, out, h_stride_); break;
-          case 3: shrink<K, 3, W>(x_rows, x_stride_, panel, i0, i1, out, h_stride_); break;
-          case 2: shrink<K, 2, W>(x_rows, x_stride_, panel, i0, i1, out, h_stride_); break;
-          default: shrink<K, 1, W>(x_rows, x_stride_, panel, i0, i1, out, h_stride_); break;
+          case 8: shrink<K, 8, W>(x, x_stride, x_base, panel, i0, i1, out, h_stride_); break;
+          case 7: shrink<K, 7, W>(x, x_stride, x_base, panel, i0, i1, out, h_stride_); break;
+          case 6: shrink<K, 6, W>(x, x_stride, x_base, panel, i0, i1, out, h_stride_); break;
+          case 5: shrink<K, 5, W>(x, x_stride, x_base, panel, i0, i1, out, h_stride_); break;
+          case 4: shrink<K, 4, W>(x, x_stride, x_base, panel, i0, i1, out, h_stride_); break;
+          case 3: shrink<K, 3, W>(x, x_stride, x_base, panel, i0, i1, out, h_stride_); break;
+          case 2: shrink<K, 2, W>(x, x_stride, x_base, panel, i0, i1, out, h_stride_); break;
+          default: shrink<K, 1, W>(x, x_stride, x_base, panel, i0, i1, out, h_stride_); break;
         }
       });
     }
   }
 
+  // Rows [t0, t1)'s x as the products read it, for a shrink over inputs
+  // [i0, i1): x itself, or (PAIRS_DP) those inputs rounded into `scratch`.
+  // Sets x_stride and x_base (shrink_chunk).
+  const X* x_operand(int64_t t0, int64_t t1, int64_t i0, int64_t i1, std::vector<uint16_t>& scratch, int64_t& x_stride,
+                     int64_t& x_base) const {
+    if constexpr (K == Math::PAIRS_DP) {
+      scratch.resize((t1 - t0) * (i1 - i0));
+      round_rows(xs_ + t0 * x_stride_ + i0, x_stride_, t1 - t0, i1 - i0, scratch.data(), i1 - i0);
+      x_stride = i1 - i0;
+      x_base = i0;
+      return scratch.data();
+    } else {
+      x_stride = x_stride_;
+      x_base = 0;
+      return xs_ + t0 * x_stride_;
+    }
+  }
+
+  // Piece p's h of rows [t0, t1) of segment g as the expand reads it: the
+  // partials (h_rows, as in shrink_chunk) summed over the chunks in order,
+  // the pair of an odd last rank zeroed, and (PAIRS_DP) rounded; into
+  // h_out + row * hp_stride_ + p * R2_. Once per block of rows, for every
+  // output block after it.
+  void prepare_h(int64_t g, int64_t p, int64_t t0, int64_t t1, const float* h_rows, X* h_out,
+                 std::vector<float>& sum_scratch) const {
+    const int64_t r = rank_[slot_[g] * P_ + p];
+    if (r == 0) return;
+    const int64_t r2 = (r + 1) / 2 * 2;
+    sum_scratch.resize(R2_);
+    for (int64_t t = 0; t < t1 - t0; ++t) {
+      const float* part = h_rows + t * h_stride_ + p * NC_ * RP_;
+      float* sum;
+      if constexpr (K == Math::PAIRS_DP)
+        sum = sum_scratch.data();
+      else
+        sum = h_out + t * hp_stride_ + p * R2_;
+      for (int64_t k = 0; k < r; ++k) sum[k] = part[k];
+      for (int64_t c = 1; c < NC_; ++c)
+        for (int64_t k = 0; k < r; ++k) sum[k] += part[c * RP_ + k];
+      if (K != Math::FLOAT && r % 2) sum[r] = 0.f;  // the pair of the last rank
+      if constexpr (K == Math::PAIRS_DP) round_rows(sum, 0, 1, r2, h_out + t * hp_stride_ + p * R2_, 0);
+    }
+  }
+
   // y[t, 64n .. 64n+63] += scale * B h for rows [t0, t1) of segment g, each
-  // piece in the block writing its own outputs; h summed over the chunks in
-  // order (h_rows as in shrink_chunk). h_sum: scratch of 4 * R floats.
-  void expand_block(int64_t g, int64_t n, int64_t t0, int64_t t1, const float* h_rows, float* h_sum) const {
+  // piece in the block writing its own outputs, from h prepared by
+  // prepare_h (hp: row t0's).
+  void expand_block(int64_t g, int64_t n, int64_t t0, int64_t t1, const X* hp) const {
     const int64_t s = slot_[g];
     const int64_t o0 = n * kOutBlock, o1 = std::min(OUT_, o0 + kOutBlock);
     int64_t p = 0;
@@ -391,21 +456,14 @@ class LoraKernel {
       const int64_t lo_o = std::max<int64_t>(o0, bound_[p]) - o0, hi_o = std::min<int64_t>(o1, bound_[p + 1]) - o0;
       const W* out_block = bs_ + (s * NB_ + n) * R_ * kOutBlock;
       by_rows(t1 - t0, 4, [&](int64_t t, int64_t m) {
-        for (int64_t mm = 0; mm < m; ++mm) {
-          const float* part = h_rows + (t + mm) * h_stride_ + p * NC_ * RP_;
-          float* sum = h_sum + mm * R_;
-          for (int64_t k = 0; k < r; ++k) sum[k] = part[k];
-          for (int64_t c = 1; c < NC_; ++c)
-            for (int64_t k = 0; k < r; ++k) sum[k] += part[c * RP_ + k];
-          if (K != Math::FLOAT && r % 2) sum[r] = 0.f;  // the pair of the last rank
-        }
+        const X* h = hp + t * hp_stride_ + p * R2_;
         float* y_rows = ys_ + (t0 + t) * y_stride_ + o0;
         const float sc = scale_[s];
         switch (m) {
-          case 4: expand<K, 4, W>(h_sum, R_, out_block, r, y_rows, y_stride_, lo_o, hi_o, sc); break;
-          case 3: expand<K, 3, W>(h_sum, R_, out_block, r, y_rows, y_stride_, lo_o, hi_o, sc); break;
-          case 2: expand<K, 2, W>(h_sum, R_, out_block, r, y_rows, y_stride_, lo_o, hi_o, sc); break;
-          default: expand<K, 1, W>(h_sum, R_, out_block, r, y_rows, y_stride_, lo_o, hi_o, sc); break;
+          case 4: expand<K, 4, W>(h, hp_stride_, out_block, r, y_rows, y_stride_, lo_o, hi_o, sc); break;
+          case 3: expand<K, 3, W>(h, hp_stride_, out_block, r, y_rows, y_stride_, lo_o, hi_o, sc); break;
+          case 2: expand<K, 2, W>(h, hp_stride_, out_block, r, y_rows, y_stride_, lo_o, hi_o, sc); break;
+          default: expand<K, 1, W>(h, hp_stride_, out_block, r, y_rows, y_stride_, lo_o, hi_o, sc); break;
         }
       });
     }
@@ -419,14 +477,20 @@ class LoraKernel {
     for (int64_t g = 0; g < G_; ++g)
       for (int64_t t = start_[g]; t < end_[g]; t += block_rows) items.push_back({g, t, std::min<int64_t>(end_[g], t + block_rows)});
     at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
-      thread_local std::vector<float> h, h_sum;
-      h_sum.resize(4 * R_);
+      thread_local std::vector<float> h, sums;
+      thread_local std::vector<X> hp;
+      thread_local std::vector<uint16_t> xb;
       for (int64_t i = lo; i < hi; ++i) {
         const Item& it = items[i];
-        h.resize((it.t1 - it.t0) * h_stride_);
+        const int64_t rows = it.t1 - it.t0;
+        int64_t x_stride, x_base;
+        const X* x = x_operand(it.t0, it.t1, 0, IN_, xb, x_stride, x_base);  // every input, rounded once
+        h.resize(rows * h_stride_);
         for (int64_t p = 0; p < P_; ++p)
-          for (int64_t c = 0; c < NC_; ++c) shrink_chunk(it.g, p, c, it.t0, it.t1, h.data());
-        for (int64_t n = 0; n < NB_; ++n) expand_block(it.g, n, it.t0, it.t1, h.data(), h_sum.data());
+          for (int64_t c = 0; c < NC_; ++c) shrink_chunk(it.g, p, c, it.t0, it.t1, x, x_stride, x_base, h.data());
+        hp.resize(rows * hp_stride_);
+        for (int64_t p = 0; p < P_; ++p) prepare_h(it.g, p, it.t0, it.t1, h.data(), hp.data(), sums);
+        for (int64_t n = 0; n < NB_; ++n) expand_block(it.g, n, it.t0, it.t1, hp.data());
       }
     });
   }
@@ -458,23 +522,31 @@ class LoraKernel {
       return h + (h_row[g] + t0 - start_[g]) * h_stride_;
     };
     at::parallel_for(0, shrink_first[G_], 1, [&](int64_t lo, int64_t hi) {
+      thread_local std::vector<uint16_t> xb;
       for (int64_t item = lo; item < hi; ++item) {
         const int64_t g = segment_of(shrink_first, item);
         const int64_t rest = item - shrink_first[g], c = rest % NC_, p = (rest / NC_) % P_;
-        int64_t t0, t1;
+        int64_t t0, t1, x_stride, x_base;
         float* h_rows = rows_of(g, rest / NC_ / P_, t0, t1);
-        shrink_chunk(g, p, c, t0, t1, h_rows);
+        const int64_t i0 = c * kChunk, i1 = std::min(IN_, i0 + kChunk);
+        const X* x = x_operand(t0, t1, i0, i1, xb, x_stride, x_base);
+        shrink_chunk(g, p, c, t0, t1, x, x_stride, x_base, h_rows);
       }
     });
     at::parallel_for(0, expand_first[G_], 1, [&](int64_t lo, int64_t hi) {
-      thread_local std::vector<float> h_sum;
-      h_sum.resize(4 * R_);
+      thread_local std::vector<float> sums;
+      thread_local std::vector<X> hp;
       for (int64_t item = lo; item < hi; ++item) {
         const int64_t g = segment_of(expand_first, item);
-        const int64_t rest = item - expand_first[g];
+        const int64_t rest = item - expand_first[g], n = rest % NB_;
         int64_t t0, t1;
         const float* h_rows = rows_of(g, rest / NB_, t0, t1);
-        expand_block(g, rest % NB_, t0, t1, h_rows, h_sum.data());
+        // The pieces with outputs in block n, prepared for its rows.
+        hp.resize((t1 - t0) * hp_stride_);
+        const int64_t o0 = n * kOutBlock, o1 = std::min(OUT_, o0 + kOutBlock);
+        for (int64_t p = 0; p < P_; ++p)
+          if (bound_[p] < o1 && bound_[p + 1] > o0) prepare_h(g, p, t0, t1, h_rows, hp.data(), sums);
+        expand_block(g, n, t0, t1, hp.data());
       }
     });
   }
@@ -488,6 +560,8 @@ class LoraKernel {
   const int64_t P_, RP_, IN_, NB_, R_, OUT_;
   const int64_t NC_;        // chunks of the inputs
   const int64_t h_stride_;  // floats of partial h per row: P * NC * RP
+  const int64_t R2_;        // prepared h per row and piece: R rounded up to even
+  const int64_t hp_stride_;  // prepared h per row: P * R2
   const float* xs_;
   float* ys_;
   const int64_t x_stride_, y_stride_;
