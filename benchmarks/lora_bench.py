@@ -6,14 +6,20 @@ The script makes 16 rank-R adapters of every target module (q/k/v/o,
 gate/up/down) with peft over the served model (random A and B, so the
 grouped matmul does real work), starts one Sluice server with all of them
 resident (`--max-loras 16`, so no run waits on a load), and at each
-concurrency runs the same random workload (same seed: same prompts) with
-each request's `model` taken in turn from: the base model only, 1 adapter,
-4 adapters, 16 adapters. It reports output tokens/s per run and each mixed
-run's loss against the base run at the same concurrency; the goal is a loss
-of at most 15% with 4 adapters. With `--rounds N` (default 3) every
-concurrency runs its adapter counts N times, interleaved (base, 1, 4, 16,
-base, 1, ...), and the table reads the median of each: a busy neighbour
-on a shared host then slows some runs of every kind, not all runs of one.
+concurrency runs a random workload of the same shape with each request's
+`model` taken in turn from: the base model only, 1 adapter, 4 adapters, 16
+adapters. It reports output tokens/s per run and each mixed run's loss
+against the base run at the same concurrency; the goal is a loss of at most
+15% with 4 adapters. Every run sends prompts of its own (the same lengths,
+words drawn with a seed of its own), and its warm-up batch others again:
+with one set of prompts for every run, the prefix cache would hand a later
+run the KV an earlier one computed for the same prompt and adapter (the base
+run of a round, or the adapters a smaller mix shares with a larger one), so
+runs would differ in how much they prefill, not in their LoRA work. With
+`--rounds N` (default 3) every concurrency runs its adapter counts N times,
+interleaved (base, 1, 4, 16, base, 1, ...), and the table reads the median
+of each: a busy neighbour on a shared host then slows some runs of every
+kind, not all runs of one.
 
     python benchmarks/lora_bench.py                        # the bundled model, c=8 and c=32
     python benchmarks/lora_bench.py --num-prompts 4 --output-len 8 --concurrency 2 --adapters 0 4 --rounds 1   # smoke run
@@ -92,14 +98,18 @@ def server(args, base: Path, adapters: dict[str, Path]):
         yield url
 
 
-def prompts(args) -> list[str]:
-    rng = random.Random(args.seed)
+def prompts(args, *run: int) -> list[str]:
+    """The prompts of the run named by `run` (concurrency, round, adapters):
+    --num-prompts of --input-words random words, drawn with a seed of that
+    run's own, so that no two runs share a prompt (module docstring)."""
+    rng = random.Random(repr((args.seed, *run)))
     return [" ".join(rng.choice(WORDS) for _ in range(args.input_words)) for _ in range(args.num_prompts)]
 
 
-async def run(args, url: str, models: list[str], texts: list[str], concurrency: int) -> dict:
+async def run(args, url: str, models: list[str], texts: list[str], warm_texts: list[str], concurrency: int) -> dict:
     """The prompts through /v1/completions, `concurrency` in flight, request
-    i naming models[i % len(models)]; output tokens/s over the whole run."""
+    i naming models[i % len(models)]; output tokens/s over the whole run,
+    after a short warm-up batch on other prompts (`warm_texts`)."""
     queue = list(enumerate(texts))
     tokens, failed = [], []
 
@@ -116,7 +126,7 @@ async def run(args, url: str, models: list[str], texts: list[str], concurrency: 
 
     async with httpx.AsyncClient(base_url=url, timeout=args.timeout) as client:
         # A short batch of the same shape first: no run pays for a first use.
-        warm = [client.post("/v1/completions", json={"model": models[i % len(models)], "prompt": texts[i % len(texts)],
+        warm = [client.post("/v1/completions", json={"model": models[i % len(models)], "prompt": warm_texts[i % len(warm_texts)],
                                                      "max_tokens": 8, "ignore_eos": True})
                 for i in range(max(concurrency, len(models)))]
         for resp in await asyncio.gather(*warm):
@@ -158,7 +168,6 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     base = model_folder(args)
-    texts = prompts(args)
     rows = []
     try:
         with tempfile.TemporaryDirectory(prefix="lora-bench-") as tmp:
@@ -169,7 +178,8 @@ def main(argv=None) -> int:
                     for round_ in range(args.rounds):
                         for n in args.adapters:
                             models = list(adapters)[:n] or [served]
-                            row = {"adapters": n, "round": round_, **asyncio.run(run(args, url, models, texts, c))}
+                            texts, warm = prompts(args, c, round_, n), prompts(args, c, round_, n, -1)
+                            row = {"adapters": n, "round": round_, **asyncio.run(run(args, url, models, texts, warm, c))}
                             print(f"c={c} adapters={n} round {round_ + 1}/{args.rounds}: "
                                   f"{row['output_tokens_per_s']:.1f} tok/s, {row['completed']} done, "
                                   f"{row['failed']} failed", flush=True)
