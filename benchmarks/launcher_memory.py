@@ -10,6 +10,10 @@ benchmarks/README.md):
     python benchmarks/weight_memory.py --shape llama-8b --quant Q4_0 --write-only --out /tmp/wm
     python benchmarks/launcher_memory.py --model /tmp/wm/llama-8b-Q4_0.gguf -- \\
         --kv-cache-bytes 268435456 --max-total-tokens 256 --max-batch-prefill-tokens 32
+
+`--tpot-tokens N` also times one request's decode (c=1 time per output
+token, the prefill and round trip subtracted) against the time to read the
+.gguf once at the host's copy bandwidth.
 """
 
 from __future__ import annotations
@@ -75,6 +79,49 @@ def role(cmd: str) -> str | None:
     return None
 
 
+def generate_seconds(base: str, model: str, prompt: str, tokens: int) -> float:
+    """Wall time of one greedy completion of exactly `tokens` tokens."""
+    t0 = time.monotonic()
+    r = httpx.post(f"{base}/v1/completions", timeout=3600, json={
+        "model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True})
+    r.raise_for_status()
+    if r.json()["usage"]["completion_tokens"] != tokens:
+        raise RuntimeError(f"asked for {tokens} tokens, got {r.json()['usage']}")
+    return time.monotonic() - t0
+
+
+def copy_bandwidth(mib: int = 512, repeats: int = 5) -> float:
+    """GB/s (bytes read + written) of a large copy on torch's threads, the
+    same measure as moe_bench's and step_bench's floors; best of `repeats`."""
+    import torch
+
+    src = torch.ones(mib * 2**18)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.nbytes / best / 1e9
+
+
+def time_per_token(base: str, prompt: str, tokens: int, model: Path) -> None:
+    """c=1 time per output token: (a request of 1 + tokens tokens less one of
+    1 token) / tokens, each the best of two, so that the prompt's prefill and
+    the round trip drop out; against the time to read the model file once at
+    the host's copy bandwidth (a decode step reads every weight once)."""
+    served = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
+    short = min(generate_seconds(base, served, prompt, 1) for _ in range(2))
+    long = min(generate_seconds(base, served, prompt, 1 + tokens) for _ in range(2))
+    tpot = (long - short) / tokens
+    bandwidth = copy_bandwidth()
+    read = model.stat().st_size / (bandwidth * 1e9) if model.is_file() else float("nan")
+    print(f"c=1 time per output token: {tpot * 1e3:.1f} ms ({tokens} tokens); weight-read time "
+          f"{read * 1e3:.1f} ms (file {model.stat().st_size / 2**20:,.0f} MiB at {bandwidth:.1f} GB/s copy "
+          f"bandwidth): {tpot / read:.2f}x", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
@@ -82,6 +129,8 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--requests", type=int, default=2)
     p.add_argument("--timeout", type=float, default=1800, help="seconds to wait for readiness")
+    p.add_argument("--tpot-tokens", type=int, default=0,
+                   help="also time one request's decode: N tokens (time per output token, c=1)")
     p.add_argument("flags", nargs="*", help="launcher flags (after --)")
     args = p.parse_args()
 
@@ -121,6 +170,8 @@ def main() -> None:
                 "inputs": args.prompt, "parameters": {"max_new_tokens": args.new_tokens, "do_sample": False}})
             r.raise_for_status()
             print(f"request {i}: {time.monotonic() - t0:.1f} s, {r.json()['generated_text']!r}", flush=True)
+        if args.tpot_tokens:
+            time_per_token(base, args.prompt, args.tpot_tokens, Path(args.model))
         rows = [("launcher", proc.pid)] + [(role(c), pid) for pid, c in descendants(proc.pid) if role(c)]
         print("| process | VmRSS | VmHWM (peak) |\n|---|---|---|")
         for name, pid in rows:

@@ -79,6 +79,26 @@ def copy_bundled_tokenizer(writer) -> None:
             writer.add_key_value(name, field.contents(), kind, sub)
 
 
+def more_bits(layer: int, layers: int) -> bool:
+    """The layers whose attn_v and ffn_down a Q4_K_M file keeps in Q6_K:
+    the first and last eighth, and every third one between."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def tensor_type(name: str, quant: str, layers: int, tied: bool) -> str:
+    """The block type of matrix `name` in a file of `quant`: one type for
+    every matrix, or for Q4_K_M llama-quantize's mix (Q4_K, with the output
+    matrix, or the embedding tied to it, and attn_v / ffn_down of the
+    more_bits layers in Q6_K)."""
+    if quant != "Q4_K_M":
+        return quant
+    if name == "output.weight" or (tied and name == "token_embd.weight"):
+        return "Q6_K"
+    if name.endswith((".attn_v.weight", ".ffn_down.weight")) and more_bits(int(name.split(".")[1]), layers):
+        return "Q6_K"
+    return "Q4_K"
+
+
 def write_llama_gguf(path: Path, shape: str, quant: str) -> None:
     """A Llama GGUF of `shape`, every matrix random `quant` blocks, the
     bundled tokenizer; written a tensor at a time (module docstring)."""
@@ -97,8 +117,6 @@ def write_llama_gguf(path: Path, shape: str, quant: str) -> None:
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(5e5)
     copy_bundled_tokenizer(writer)
-    qtype = gguf.GGMLQuantizationType[quant]
-    block, size = gguf.GGML_QUANT_SIZES[qtype]
     # (name, rows, cols or None for a norm of `rows` ones), in file order.
     tensors = [("token_embd.weight", vocab, h), ("output_norm.weight", h, None)]
     if not tied:
@@ -110,10 +128,13 @@ def write_llama_gguf(path: Path, shape: str, quant: str) -> None:
                     (f"{b}.attn_v.weight", kv * d, h), (f"{b}.attn_output.weight", h, heads * d),
                     (f"{b}.ffn_gate.weight", ffn, h), (f"{b}.ffn_up.weight", ffn, h),
                     (f"{b}.ffn_down.weight", h, ffn)]
+    types = {name: tensor_type(name, quant, layers, tied) for name, _, cols in tensors if cols is not None}
     for name, rows, cols in tensors:
         if cols is None:
             writer.add_tensor_info(name, (rows,), np.dtype(np.float32), rows * 4)
         else:
+            qtype = gguf.GGMLQuantizationType[types[name]]
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
             nbytes = rows * cols // block * size
             writer.add_tensor_info(name, (rows, cols // block * size), np.dtype(np.uint8), nbytes, raw_dtype=qtype)
     writer.write_header_to_file()
@@ -124,7 +145,7 @@ def write_llama_gguf(path: Path, shape: str, quant: str) -> None:
         if cols is None:
             writer.write_tensor_data(np.ones(rows, dtype=np.float32))
         else:
-            writer.write_tensor_data(random_blocks((rows, cols), quant, rng))
+            writer.write_tensor_data(random_blocks((rows, cols), types[name], rng))
     writer.close()
 
 
@@ -166,7 +187,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a .gguf (default: the bundled model, or --shape)")
     p.add_argument("--shape", choices=sorted(SHAPES), help="write a random-weight GGUF of this shape")
-    p.add_argument("--quant", default="Q4_1", help="block type of --shape's matrices")
+    p.add_argument("--quant", default="Q4_1",
+                   help="block type of --shape's matrices, or Q4_K_M (llama-quantize's mix of Q4_K and Q6_K)")
     p.add_argument("--out", help="folder for --shape's file and conversions (default: a temporary one)")
     p.add_argument("--dtypes", default="auto,float32")
     p.add_argument("--kv-cache-bytes", type=int, default=32 * 2**20)
