@@ -9,6 +9,20 @@
 #   LLAMA_SERVER=path/to/llama-server VLLM_PYTHON=path/to/vllm-venv/bin/python \
 #       bash benchmarks/cpu_compare.sh [OUT_DIR]
 #
+# MODEL=path/to/model.gguf serves that file instead (every server reads the
+# same .gguf: llama.cpp directly, Sluice and vLLM its converted folder, which
+# also gives the tokenizer); it then runs random INPUT_LEN in / OUTPUT_LEN out
+# (defaults 256 / 64, ignore_eos) at each of CONCURRENCY (default 1,8,16),
+# NUM_PROMPTS requests (default 16) each, and no shared-prefix run (SHARED=1
+# adds it). For a 1B-class model (benchmarks/README.md, issue 35):
+#
+#   python benchmarks/weight_memory.py --shape llama-1b --quant Q4_K_M --write-only --out /tmp/wm
+#   MODEL=/tmp/wm/llama-1b-Q4_K_M.gguf LLAMA_SERVER=.../llama-server bash benchmarks/cpu_compare.sh
+#
+# After its runs, each server's processes' resident memory (VmRSS, and the
+# peak VmHWM) goes into NAME-memory.txt. benchmarks/build_llama_cpp.sh builds
+# llama-server from PyPI's llama-cpp-python sources.
+#
 # A peer whose variable is unset is left out. SLUICE_ARGS adds flags to
 # sluice-launcher (e.g. "--dtype bfloat16"); LABEL names that run; SKIP_SLUICE=1
 # runs the peers only. VLLM_DTYPE (default bfloat16) is vLLM's --dtype, and
@@ -20,8 +34,8 @@ set -euo pipefail
 out=${1:-benchmarks/results/cpu-compare-$(date +%Y%m%d-%H%M)}
 mkdir -p "$out"
 threads=${THREADS:-$(nproc)}
-gguf=$(python -c 'from sluice_server.download import bundled_model_path; print(bundled_model_path())')
-folder=$(python -c 'from sluice_server.download import bundled_model_path, resolve_model; print(resolve_model(str(bundled_model_path())))')
+gguf=${MODEL:-$(python -c 'from sluice_server.download import bundled_model_path; print(bundled_model_path())')}
+folder=$(python -c 'import sys; from sluice_server.download import resolve_model; print(resolve_model(sys.argv[1]))' "$gguf")
 label=${LABEL:-sluice}
 
 wait_ready() {  # url pid
@@ -34,8 +48,33 @@ wait_ready() {  # url pid
     return 1
 }
 
+memory() {  # name pid: VmRSS and VmHWM of pid and every process below it
+    local pids=$2 todo=$2 p
+    while [[ -n $todo ]]; do
+        local next=""
+        for p in $todo; do next="$next $(pgrep -P "$p" || true)"; done
+        todo=$(echo $next)
+        pids="$pids $todo"
+    done
+    for p in $pids; do
+        [[ -r /proc/$p/status ]] || continue
+        printf '%s %s: %s\n' "$p" "$(tr '\0' ' ' </proc/$p/cmdline | cut -c1-80)" \
+            "$(grep -E '^(VmRSS|VmHWM)' /proc/$p/status | tr -s ' \n' ' ')"
+    done >"$out/$1-memory.txt"
+}
+
 bench() {  # name port
     local name=$1 url=http://127.0.0.1:$2
+    if [[ -n ${MODEL:-} ]]; then
+        sluice-bench --base-url "$url" --tokenizer "$folder" --workload random --input-len "${INPUT_LEN:-256}" \
+            --output-len "${OUTPUT_LEN:-64}" --num-prompts "${NUM_PROMPTS:-16}" --concurrency "${CONCURRENCY:-1,8,16}" \
+            --warmup 2 --seed 7 --no-progress --out "$out/$name-random.json"
+        [[ ${SHARED:-0} == 1 ]] || return 0
+        sluice-bench --base-url "$url" --tokenizer "$folder" --workload shared-prefix --num-groups 1 \
+            --prompts-per-group 32 --system-prompt-len 1024 --question-len 32 --output-len 64 \
+            --concurrency 8 --warmup 2 --seed 7 --no-progress --out "$out/$name-shared-prefix.json"
+        return
+    fi
     sluice-bench --base-url "$url" --tokenizer "$folder" --workload random --input-len 256 --output-len 128 \
         --num-prompts 32 --concurrency 1,8 --warmup 2 --seed 7 --no-progress --out "$out/$name-random-1-8.json"
     sluice-bench --base-url "$url" --tokenizer "$folder" --workload random --input-len 256 --output-len 128 \
@@ -52,12 +91,14 @@ run() {  # name port command...
     local pid=$!
     if wait_ready "http://127.0.0.1:$port/v1/models" "$pid"; then
         bench "$name" "$port" || true
+        memory "$name" "$pid"
     fi
     kill -TERM -- "$pid" 2>/dev/null || true
     wait "$pid" 2>/dev/null || true
 }
 
-[[ ${SKIP_SLUICE:-0} == 1 ]] || run "$label" 8090 setsid sluice-launcher --port 8090 --hostname 127.0.0.1 ${SLUICE_ARGS:-}
+[[ ${SKIP_SLUICE:-0} == 1 ]] || run "$label" 8090 setsid sluice-launcher --port 8090 --hostname 127.0.0.1 \
+    ${MODEL:+--model-id "$MODEL"} ${SLUICE_ARGS:-}
 
 if [[ -n ${LLAMA_SERVER:-} ]]; then
     LD_LIBRARY_PATH=$(dirname "$LLAMA_SERVER") run llama.cpp 8091 "$LLAMA_SERVER" -m "$gguf" \
