@@ -99,6 +99,15 @@ pub struct Args {
     #[arg(long, env = "SLUICE_CPU_BLOCK_ROWS", value_name = "N")]
     pub cpu_block_rows: Option<u32>,
 
+    /// Bytes each shard's model weights may take in memory, every form counted (/info's
+    /// `weight_bytes`). Where a GGUF's plan keeps dense copies of block-served matrices for
+    /// large steps (`--dtype float32`, or a --cpu-block-rows limit) and they would cross it, the
+    /// shard drops them and runs every step on the blocks; where the weights exceed it even so,
+    /// the shard refuses to start. Default: no limit. Shown in /info (`max_weight_memory`).
+    #[arg(long, env = "SLUICE_MAX_WEIGHT_MEMORY", value_name = "BYTES",
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_weight_memory: Option<u64>,
+
     /// Mixtures of experts over several shards: each shard holds num_experts / --num-shard
     /// whole experts (a count that does not divide is refused at start) instead of a slice of
     /// every expert's intermediate dimension. The outputs are the same.
@@ -256,10 +265,11 @@ mod tests {
             "--served-model-name", "m", "--chat-template", "t.jinja", "--shutdown-timeout", "5",
             "--tool-call-parser", "llama3_json", "--trust-remote-code", "--kv-cache-bytes", "1000000", "--hourly-cost", "1.5",
             "--cost-window-secs", "30", "--step-timeout", "45", "--no-web-ui", "--kv-cache-dtype", "float32",
-            "--cpu-kernels", "on", "--cpu-block-rows", "8", "--expert-parallel",
+            "--cpu-kernels", "on", "--cpu-block-rows", "8", "--expert-parallel", "--max-weight-memory", "6442450944",
         ])
         .unwrap();
         assert!(a.expert_parallel);
+        assert_eq!(a.max_weight_memory, Some(6 << 30));
         assert_eq!(
             (a.kv_cache_dtype.as_deref(), a.cpu_kernels.as_deref(), a.cpu_block_rows),
             (Some("float32"), Some("on"), Some(8))
@@ -318,7 +328,10 @@ mod tests {
         let err = parse(&["--port", "70000"]).unwrap_err().to_string();
         assert!(err.contains("--port"), "{err}");
         assert!(parse(&["--dtype", "int3"]).is_err());
-        for bad in [["--kv-cache-dtype", "fp8"], ["--cpu-kernels", "yes"], ["--cpu-block-rows", "all"]] {
+        for bad in [
+            ["--kv-cache-dtype", "fp8"], ["--cpu-kernels", "yes"], ["--cpu-block-rows", "all"],
+            ["--max-weight-memory", "0"], ["--max-weight-memory", "1.5e9"],
+        ] {
             let err = parse(&bad).unwrap_err().to_string();
             assert!(err.contains(bad[0]), "{err}");
         }
@@ -350,6 +363,7 @@ mod tests {
             ("SLUICE_KV_CACHE_DTYPE", "bfloat16"),
             ("SLUICE_CPU_KERNELS", "off"),
             ("SLUICE_CPU_BLOCK_ROWS", "0"),
+            ("SLUICE_MAX_WEIGHT_MEMORY", "1048576"),
             ("SLUICE_EXPERT_PARALLEL", "true"),
             ("SLUICE_MAX_LORAS", "3"),
             ("SLUICE_MAX_LORA_RANK", "32"),
@@ -380,6 +394,7 @@ mod tests {
         assert_eq!(a.huggingface_hub_cache, Some(PathBuf::from("/hub-cache")));
         assert_eq!(a.kv_cache_bytes, Some(4096));
         assert!(a.expert_parallel);
+        assert_eq!(a.max_weight_memory, Some(1 << 20));
         assert_eq!(a.serving.hourly_cost, Some(0.75));
         assert_eq!(
             (a.kv_cache_dtype.as_deref(), a.cpu_kernels.as_deref(), a.cpu_block_rows),

@@ -68,6 +68,9 @@ pub fn command(server: &Path, args: &Args, sockets: &ShardSockets, model_dir: &P
     if let Some(rows) = args.cpu_block_rows {
         command.arg("--cpu-block-rows").arg(rows.to_string());
     }
+    if let Some(bytes) = args.max_weight_memory {
+        command.arg("--max-weight-memory").arg(bytes.to_string());
+    }
     if args.expert_parallel {
         command.arg("--expert-parallel");
     }
@@ -241,14 +244,14 @@ mod tests {
         let args = test_args(&[
             "--dtype", "float16", "--device", "cpu", "--kv-cache-bytes", "1024", "--json-output",
             "--block-size", "32", "--shard-uds-path", "/s", "--kv-cache-dtype", "float32", "--cpu-kernels", "off",
-            "--cpu-block-rows", "0", "--expert-parallel",
+            "--cpu-block-rows", "0", "--max-weight-memory", "4096", "--expert-parallel",
         ]);
         let cmd = command(Path::new("srv"), &args, &sockets(&args), Path::new("/m"), 0);
         assert_eq!(
             argv(&cmd),
             ["serve", "/m", "--uds-path", "/s", "--block-size", "32", "--device", "cpu", "--dtype", "float16",
              "--kv-cache-bytes", "1024", "--kv-cache-dtype", "float32", "--cpu-kernels", "off",
-             "--cpu-block-rows", "0", "--expert-parallel", "--json-output"]
+             "--cpu-block-rows", "0", "--max-weight-memory", "4096", "--expert-parallel", "--json-output"]
         );
     }
 

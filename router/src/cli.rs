@@ -271,6 +271,7 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
             cpu_kernels: shard_info.cpu_kernels.clone(),
             weight_bytes: shard_info.weight_bytes,
             dense_copy_bytes: shard_info.dense_copy_bytes,
+            max_weight_memory: Some(shard_info.max_weight_memory).filter(|&limit| limit > 0),
             total_parameters: info.total_parameters,
             active_parameters: info.active_parameters,
             expert_parallel: shard_info.expert_parallel,

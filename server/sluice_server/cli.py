@@ -4,7 +4,7 @@
                   [--device cpu|cuda] [--kv-cache-bytes N] [--block-size 16]
                   [--kv-cache-dtype auto|float32|bfloat16] [--cpu-kernels auto|on|off]
                   [--expert-parallel]
-                  [--cpu-block-rows N] [--num-threads N]
+                  [--cpu-block-rows N] [--max-weight-memory BYTES] [--num-threads N]
                   [--attention-backend auto|torch|triton] [--json-output]
                   [--max-loras N] [--max-lora-rank R] [--lora-root DIR ...]
                   [--lora-dtype auto|float32|bfloat16]
@@ -99,6 +99,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     serve.add_argument("--cpu-block-rows", type=int, default=None, metavar="N",
                        help="CPU matmuls of at most N rows run on a GGUF's blocks (0: never); "
                             "default: from the CPU's features")
+    serve.add_argument("--max-weight-memory", type=int, default=None, metavar="BYTES",
+                       help="bytes this shard's weights may take, every form counted; the dense copies of a "
+                            "GGUF's block-served matrices are dropped to fit (every step then runs on the "
+                            "blocks), and the shard refuses to start where the weights exceed it even so")
     serve.add_argument("--expert-parallel", action="store_true",
                        help="mixtures of experts over several shards: each shard holds num_experts / N whole "
                             "experts (the count must divide) instead of a slice of every expert")
@@ -149,7 +153,7 @@ async def serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--block-size must be > 0, got {args.block_size}")
     options = ShardOptions(
         kv_cache_dtype=args.kv_cache_dtype, cpu_kernels=args.cpu_kernels, cpu_block_rows=args.cpu_block_rows,
-        expert_parallel=args.expert_parallel, lora_dtype=args.lora_dtype,
+        expert_parallel=args.expert_parallel, lora_dtype=args.lora_dtype, max_weight_memory=args.max_weight_memory,
     )
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

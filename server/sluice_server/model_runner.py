@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from sluice_kernels import cpu_kernels
-from sluice_kernels.cpu_matmuls import CpuMatmuls, cpu_flags, native_bf16, plan_cpu_matmuls
+from sluice_kernels.cpu_matmuls import ALL_ROWS, CpuMatmuls, cpu_flags, native_bf16, plan_cpu_matmuls
 from sluice_server import constraints, sampling
 from sluice_server.adapters import AdapterSlots
 from sluice_server.batch import Batch, RequestState, Work, build_batch
@@ -29,7 +29,9 @@ from sluice_server.kv_cache import KVCache
 from sluice_server.layers.backends import get_backend
 from sluice_server.gguf_checkpoint import GGUFTensors
 from sluice_server.layers.gguf_weights import attach_block_experts, attach_gguf_blocks, attach_gguf_weights
-from sluice_server.layers.linear import dense_copy_bytes, free_unread_weights, pack_linear_weights, weight_bytes
+from sluice_server.layers.linear import (
+    dense_copy_bytes, free_unread_weights, let_blocks_take_every_step, pack_linear_weights, weight_bytes,
+)
 from sluice_server.layers.moe import FusedMoE
 from sluice_server.models import build_model, load_weights, parameter_counts
 from sluice_server.models.llama_cpu_decoder import LlamaCpuDecoder, build_llama_cpu_decoder
@@ -55,6 +57,11 @@ class KVBudgetError(RuntimeError):
 
 class CpuKernelsUnavailable(RuntimeError):
     """--cpu-kernels on, and the C++ CPU kernels cannot be built here."""
+
+
+class WeightMemoryError(RuntimeError):
+    """The model's weights exceed --max-weight-memory with no dense copy of
+    a block-served matrix left to drop."""
 
 
 def use_cpu_kernels(mode: str, device: torch.device) -> bool:
@@ -283,7 +290,10 @@ class ModelRunner:
             plan = plan_cpu_matmuls(dtype, self.dtype, cpu_flags(), self.options.cpu_block_rows)
             blocks = self._attach_gguf_blocks(plan)
             if blocks is not None:  # blocks attached already: each weight is packed as soon as it is loaded
-                on_loaded = self._pack_when_loaded(self._plan_with_blocks(plan, blocks).dense_dtype)
+                plan = self._fit_weight_limit(self._plan_with_blocks(plan, blocks))
+                on_loaded = self._pack_when_loaded(plan.dense_dtype)
+        else:
+            self._fit_weight_limit(None)  # no packing: the weights as allocated are those held
         load_weights(self.model, self.model_dir, skip=self._emptied_parameters(), on_loaded=on_loaded)
         if plan is not None:
             self.cpu_matmuls = self._prepare_cpu_weights(plan, blocks)
@@ -360,17 +370,52 @@ class ModelRunner:
             plan = CpuMatmuls(int8=False, block_rows=0, dense_dtype=None)
         return dataclasses.replace(plan, dense_dtype=plan.dense_dtype or self.dtype)
 
+    def _fit_weight_limit(self, plan: CpuMatmuls | None) -> CpuMatmuls | None:
+        """The plan under which this rank's weights fit --max-weight-memory
+        (`plan` None: a shard that packs nothing). Decided from the layers'
+        shapes and the blocks already attached, before any dense form of a
+        block-served matrix is packed (or, for a folder whose blocks stay in
+        the .gguf, loaded): `plan` itself, or, where its dense copies for
+        steps above the blocks' row limit would cross the limit, the same
+        plan with every step on the blocks and those copies never made.
+        Raises WeightMemoryError where the weights exceed the limit even so."""
+        limit = self.options.max_weight_memory
+        if limit is None:
+            return plan
+        packed_in = plan.dense_dtype if plan is not None else None
+        total = weight_bytes(self.model, packed_in)
+        copies = dense_copy_bytes(self.model, packed_in)
+        if total > limit and copies:
+            let_blocks_take_every_step(self.model)
+            free_unread_weights(self.model)
+            plan = dataclasses.replace(plan, block_rows=ALL_ROWS)
+            log.info(
+                "--max-weight-memory %.1f MiB: dropped the plan's dense copies of GGUF-block matrices, which "
+                "would take the weights to %.1f MiB (%.1f MiB saved); every step runs on the blocks",
+                limit / 2**20, total / 2**20, copies / 2**20,
+            )
+            total = weight_bytes(self.model, packed_in)
+        if total > limit:
+            blocks = any(getattr(m, "quantized", None) is not None for m in self.model.modules())
+            raise WeightMemoryError(
+                f"the model's weights take {total} bytes ({total / 2**20:.1f} MiB) on this shard"
+                f"{' with no dense copy of a block-served matrix' if blocks else ''}, more than "
+                f"--max-weight-memory {limit} bytes ({limit / 2**20:.1f} MiB)"
+            )
+        return plan
+
     def _prepare_cpu_weights(self, plan: CpuMatmuls, blocks: int | None) -> CpuMatmuls:
         """Attaches the GGUF blocks (unless `_attach_gguf_blocks` did:
-        `blocks` is then how many it attached) and packs the dense weights as
-        the plan says (sluice_kernels.cpu_matmuls); returns the plan that holds."""
+        `blocks` is then how many it attached, and `plan` the one that holds
+        with them) and packs the dense weights as the plan says
+        (sluice_kernels.cpu_matmuls); returns the plan that holds."""
         if blocks is None:
             blocks = 0
             if self.uses_cpu_kernels:  # the block matmuls are C++ kernels
                 blocks = attach_gguf_weights(
                     self.model, self.model_dir, self.dist.world_size, int8=plan.int8, max_rows=plan.block_rows
                 ) + attach_block_experts(self.model, int8=plan.int8, max_rows=plan.block_rows)
-        plan = self._plan_with_blocks(plan, blocks)
+            plan = self._fit_weight_limit(self._plan_with_blocks(plan, blocks))
         pack_linear_weights(self.model, plan.dense_dtype)  # those not packed as they loaded
         packed = sum(getattr(m, "packed", None) is not None for m in self.model.modules())
         freed = free_unread_weights(self.model)  # each matrix once per kind of step

@@ -34,6 +34,11 @@ class ShardOptions:
     # --lora-dtype: the element type of the LoRA adapter stacks; auto picks
     # it by path (model_runner.choose_lora_dtype).
     lora_dtype: str = "auto"
+    # --max-weight-memory: bytes this rank's weights may hold, every form
+    # counted (Info.weight_bytes); the plan drops the dense copies of
+    # block-served matrices to fit, and the shard refuses to start where
+    # the weights exceed it even so (model_runner). None: no limit.
+    max_weight_memory: int | None = None
 
     def __post_init__(self):
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -44,3 +49,5 @@ class ShardOptions:
             raise ValueError(f"--cpu-kernels {self.cpu_kernels!r} is not one of {', '.join(CPU_KERNEL_MODES)}")
         if self.cpu_block_rows is not None and self.cpu_block_rows < 0:
             raise ValueError(f"--cpu-block-rows must be >= 0, got {self.cpu_block_rows}")
+        if self.max_weight_memory is not None and self.max_weight_memory <= 0:
+            raise ValueError(f"--max-weight-memory must be > 0 bytes, got {self.max_weight_memory}")

@@ -96,6 +96,7 @@ class Shard:
             cpu_kernels=r.cpu_kernels_isa,
             weight_bytes=r.weight_bytes,
             dense_copy_bytes=r.dense_copy_bytes,
+            max_weight_memory=r.options.max_weight_memory or 0,
             total_parameters=r.total_parameters,
             active_parameters=r.active_parameters,
             max_loras=r.adapters.max_loras,

@@ -50,6 +50,10 @@ pub struct Info {
     /// Of those, the dense copies of matrices the shard also holds as GGUF
     /// blocks (for steps above the blocks' row limit); 0 when held once.
     pub dense_copy_bytes: u64,
+    /// The bytes `weight_bytes` may reach (`--max-weight-memory`: the shard
+    /// drops the dense copies to fit, and refuses to start above it); null
+    /// when unset.
+    pub max_weight_memory: Option<u64>,
     /// The model's parameters; `active_parameters` those one token runs
     /// through (fewer than the total for mixtures of experts).
     pub total_parameters: u64,

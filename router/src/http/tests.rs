@@ -136,6 +136,7 @@ fn build_with_shard(setup: Setup) -> (Router, Arc<AppState>, FakeShardHandle) {
             cpu_kernels: "portable".into(),
             weight_bytes: 1 << 20,
             dense_copy_bytes: 1 << 18,
+            max_weight_memory: Some(1 << 21),
             total_parameters: 1000,
             active_parameters: 400,
             expert_parallel: false,
@@ -662,6 +663,7 @@ async fn info_models_tokenize_metrics_and_openapi() {
     );
     assert_eq!(info["cpu_matmuls"], "dense float32 weights (oneDNN)");
     assert_eq!(info["dense_copy_bytes"].as_u64(), Some(1 << 18));
+    assert_eq!(info["max_weight_memory"].as_u64(), Some(1 << 21));
     assert_eq!((info["total_parameters"].as_u64(), info["active_parameters"].as_u64()), (Some(1000), Some(400)));
     assert_eq!(info["expert_parallel"], false);
     let (_, _, models) = call(&app, "GET", "/v1/models", None).await;

@@ -18,7 +18,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from sluice_server.distributed import Distributed
-from sluice_server.layers.linear import blocks_take_every_step, can_pack_for_cpu, pack_for_cpu, packed_linear
+from sluice_server.layers.linear import blocks_take_every_step, pack_for_cpu, packed_linear, packs_for_cpu
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -76,7 +76,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         the GGUF blocks take every step. The dense weight stays here; with
         tied embeddings it is also the embedding table; it is freed
         (layers.linear.free_unread_weights) once nothing reads it."""
-        if self.packed is not None or blocks_take_every_step(self) or not can_pack_for_cpu(self.weight):
+        if not packs_for_cpu(self):
             return False
         self.packed = pack_for_cpu(self.weight, dtype)
         return True

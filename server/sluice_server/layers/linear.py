@@ -41,6 +41,24 @@ def blocks_take_every_step(module: nn.Module) -> bool:
     return quantized is not None and quantized.max_rows >= ALL_ROWS
 
 
+def packs_for_cpu(module: nn.Module) -> bool:
+    """Whether `module.pack_for_cpu_()` packs it (a layer or the LM head):
+    not packed yet, its GGUF blocks (if any) do not take every step, and its
+    weight is a CPU tensor oneDNN packs."""
+    return module.packed is None and not blocks_take_every_step(module) and can_pack_for_cpu(module.weight)
+
+
+def let_blocks_take_every_step(model: nn.Module) -> None:
+    """Raises the row limit of every layer's GGUF blocks to ALL_ROWS, so
+    that no step reads a dense form of a block-served matrix (those are
+    then freed, or never allocated, by `free_unread_weights`). Experts'
+    blocks take every step already."""
+    for module in model.modules():
+        quantized = getattr(module, "quantized", None)
+        if hasattr(quantized, "max_rows"):
+            quantized.max_rows = ALL_ROWS
+
+
 def free_dense_weight_(module: nn.Module) -> None:
     """Empties `module.weight` (its [out, in] shape kept as `dense_shape`)."""
     if module.dense_shape is None:
@@ -98,7 +116,7 @@ class PackableLinear(nn.Module):
     lora: LoraWeights | None = None
 
     def pack_for_cpu_(self, dtype: torch.dtype | None = None) -> bool:
-        if self.packed is not None or blocks_take_every_step(self) or not can_pack_for_cpu(self.weight):
+        if not packs_for_cpu(self):
             return False
         self.packed = pack_for_cpu(self.weight, dtype)
         free_dense_weight_(self)  # dense_shape: [out, in] of the packed weight
@@ -147,6 +165,26 @@ def pack_linear_weights(model: nn.Module, dtype: torch.dtype | None = None) -> i
     return sum(m.pack_for_cpu_(dtype) for m in model.modules() if hasattr(m, "pack_for_cpu_"))
 
 
+def _unread_weights(model: nn.Module, once_packed: bool = False) -> list[list[nn.Module]]:
+    """The non-empty dense weights that none of the modules holding them
+    reads (with `once_packed`: will read, once every layer that packs has
+    packed), each as the list of its holders. A weight held by a module
+    that cannot say (a norm, a router) is read."""
+    holders: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if weight is not None:
+            holders.setdefault(id(weight), []).append(module)
+
+    def reads(module: nn.Module) -> bool:
+        if not hasattr(module, "reads_dense_weight"):
+            return True
+        packs = once_packed and hasattr(module, "pack_for_cpu_") and packs_for_cpu(module)
+        return module.reads_dense_weight() and not packs
+
+    return [modules for modules in holders.values() if modules[0].weight.numel() and not any(map(reads, modules))]
+
+
 def free_unread_weights(model: nn.Module) -> int:
     """Frees every dense `weight` that none of the modules holding it reads
     any more (`reads_dense_weight()` False: a packed copy or GGUF blocks
@@ -154,58 +192,63 @@ def free_unread_weights(model: nn.Module) -> int:
     the blocks where they take every step, else the blocks and one packed
     form. A weight held by a module that cannot say (a norm, a router)
     stays. Returns how many were freed."""
-    holders: dict[int, list[nn.Module]] = {}
-    for module in model.modules():
-        weight = module._parameters.get("weight")
-        if weight is not None:
-            holders.setdefault(id(weight), []).append(module)
-    freed = 0
-    for modules in holders.values():
-        if modules[0].weight.numel() and all(
-            hasattr(m, "reads_dense_weight") and not m.reads_dense_weight() for m in modules
-        ):
-            shape = tuple(modules[0].weight.shape)
-            for module in modules:
-                module.dense_shape = module.dense_shape or shape
-            free_dense_weight_(modules[0])  # the parameter all of them hold
-            freed += 1
-    return freed
+    unread = _unread_weights(model)
+    for modules in unread:
+        shape = tuple(modules[0].weight.shape)
+        for module in modules:
+            module.dense_shape = module.dense_shape or shape
+        free_dense_weight_(modules[0])  # the parameter all of them hold
+    return len(unread)
 
 
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of `model`'s weights as it holds them: every parameter (tied
-    ones once; a packed layer's emptied dense weight counts nothing), the
-    oneDNN-packed copies and the GGUF blocks (`quantized`)."""
-    seen: set[int] = set()
-    total = 0
+def _held(model: nn.Module, packed_in: torch.dtype | None) -> list[tuple[nn.Module, int, int, bool]]:
+    """(module, key, bytes, dense matrix?) for every tensor each module of
+    `model` holds: its parameters, its oneDNN-packed copy, its GGUF blocks
+    (a tensor two modules hold is listed under both, with one key).
+
+    `packed_in` None: as held now. A dtype: as they will be held once
+    `pack_linear_weights(model, packed_in)` and `free_unread_weights` have
+    run, found from shapes without allocating anything (the load checks
+    --max-weight-memory this way before a dense form exists): a layer that
+    will pack holds its packed form, and a weight nothing will read, nothing.
+    """
+    unread = set()
+    if packed_in is not None:
+        unread = {id(modules[0].weight) for modules in _unread_weights(model, once_packed=True)}
+    held = []
     for module in model.modules():
-        held = list(module.parameters(recurse=False))
-        held += [t for t in (getattr(module, "packed", None),) if isinstance(t, torch.Tensor)]
+        for p in module.parameters(recurse=False):
+            held.append((module, id(p), 0 if id(p) in unread else p.numel() * p.element_size(), p.dim() >= 2))
+        packed = getattr(module, "packed", None)
+        if isinstance(packed, torch.Tensor):
+            held.append((module, id(packed), packed.numel() * packed.element_size(), True))
+        elif packed_in is not None and hasattr(module, "pack_for_cpu_") and packs_for_cpu(module):
+            held.append((module, -id(module), module.weight.numel() * packed_in.itemsize, True))
         quantized = getattr(module, "quantized", None)
         if quantized is not None:
-            held += quantized.tensors()
-        for tensor in held:
-            if id(tensor) not in seen:
-                seen.add(id(tensor))
-                total += tensor.numel() * tensor.element_size()
-    return total
+            held += [(module, id(t), t.numel() * t.element_size(), False) for t in quantized.tensors()]
+    return held
 
 
-def dense_copy_bytes(model: nn.Module) -> int:
+def weight_bytes(model: nn.Module, packed_in: torch.dtype | None = None) -> int:
+    """Bytes of `model`'s weights as it holds them: every parameter (tied
+    ones once; a packed layer's emptied dense weight counts nothing), the
+    oneDNN-packed copies and the GGUF blocks (`quantized`). With
+    `packed_in`: as it will hold them once packed in that dtype (`_held`)."""
+    return sum({key: nbytes for _, key, nbytes, _ in _held(model, packed_in)}.values())
+
+
+def dense_copy_bytes(model: nn.Module, packed_in: torch.dtype | None = None) -> int:
     """Of `weight_bytes`, the dense forms of matrices that also hold GGUF
     blocks (`quantized`): their oneDNN-packed copies and dense weights, what
-    the plan keeps for steps larger than the blocks take."""
-    others = {
-        id(p) for m in model.modules() if getattr(m, "quantized", None) is None for p in m.parameters(recurse=False)
-    }
-    total = 0
-    for module in model.modules():
-        if getattr(module, "quantized", None) is None:
-            continue
-        held = [p for p in module.parameters(recurse=False) if p.dim() >= 2 and id(p) not in others]
-        held += [t for t in (getattr(module, "packed", None),) if isinstance(t, torch.Tensor)]
-        total += sum(t.numel() * t.element_size() for t in held)
-    return total
+    the plan keeps for steps larger than the blocks take. With `packed_in`:
+    once packed in that dtype (`_held`)."""
+    held = _held(model, packed_in)
+    others = {key for module, key, _, _ in held if getattr(module, "quantized", None) is None}
+    return sum({
+        key: nbytes for module, key, nbytes, dense in held
+        if dense and key not in others and getattr(module, "quantized", None) is not None
+    }.values())
 
 
 def _check_shape(name: str, got, want) -> None:
