@@ -90,22 +90,6 @@ def generate_seconds(base: str, model: str, prompt: str, tokens: int) -> float:
     return time.monotonic() - t0
 
 
-def copy_bandwidth(mib: int = 512, repeats: int = 5) -> float:
-    """GB/s (bytes read + written) of a large copy on torch's threads, the
-    same measure as moe_bench's and step_bench's floors; best of `repeats`."""
-    import torch
-
-    src = torch.ones(mib * 2**18)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * src.nbytes / best / 1e9
-
-
 def time_per_token(base: str, prompt: str, tokens: int, model: Path) -> None:
     """c=1 time per output token: (a request of 1 + tokens tokens less one of
     1 token) / tokens, each the best of two, so that the prompt's prefill and
@@ -115,7 +99,9 @@ def time_per_token(base: str, prompt: str, tokens: int, model: Path) -> None:
     short = min(generate_seconds(base, served, prompt, 1) for _ in range(2))
     long = min(generate_seconds(base, served, prompt, 1 + tokens) for _ in range(2))
     tpot = (long - short) / tokens
-    bandwidth = copy_bandwidth()
+    from step_bench import memory_bandwidth  # the copy bandwidth of moe_bench's and step_bench's floors
+
+    bandwidth = memory_bandwidth()
     read = model.stat().st_size / (bandwidth * 1e9) if model.is_file() else float("nan")
     print(f"c=1 time per output token: {tpot * 1e3:.1f} ms ({tokens} tokens); weight-read time "
           f"{read * 1e3:.1f} ms (file {model.stat().st_size / 2**20:,.0f} MiB at {bandwidth:.1f} GB/s copy "
