@@ -31,8 +31,11 @@
 //           4 vectors in registers), for each piece in the block (only its
 //           own outputs are written)
 //
-// (x, multiplied in bfloat16 pairs, is rounded once per row for every
-// piece and chunk in the one-loop plan, once per chunk in the other.)
+// (That is the one-loop plan's order, where x, multiplied in bfloat16
+// pairs, is also rounded once per row for every piece and chunk. The
+// two-loop plan, whose blocks hold a row or two, rounds x once per chunk and
+// sums h once per output block: a third parallel loop to share that sum
+// would cost more than the sum.)
 //
 // and two ways to spread them over the threads (LoraKernel::run picks):
 //
@@ -419,8 +422,9 @@ class LoraKernel {
   // Piece p's h of rows [t0, t1) of segment g as the expand reads it: the
   // partials (h_rows, as in shrink_chunk) summed over the chunks in order,
   // the pair of an odd last rank zeroed, and (PAIRS_DP) rounded; into
-  // h_out + row * hp_stride_ + p * R2_. Once per block of rows, for every
-  // output block after it.
+  // h_out + row * hp_stride_ + p * R2_. The one-loop plan prepares a block
+  // of rows once for all its output blocks; the two-loop plan once per
+  // output block's item (module comment).
   void prepare_h(int64_t g, int64_t p, int64_t t0, int64_t t1, const float* h_rows, X* h_out,
                  std::vector<float>& sum_scratch) const {
     const int64_t r = rank_[slot_[g] * P_ + p];
