@@ -29,11 +29,19 @@ within 1% of float32.
     python benchmarks/quality.py                  # bundled SmolLM2
     python benchmarks/quality.py --model DIR --tokens 512
     python benchmarks/quality.py --auto-kv-cache float32  # auto with a float32 cache
+    python benchmarks/quality.py --model F.gguf --llama-cpp-ctx 256
+
+--llama-cpp-ctx N scores the positions that `llama-perplexity -c N` scores
+(benchmarks/llama_cpp_quality.sh, llama.cpp's figures on the same text): the
+whole text cut into chunks of N tokens, each starting with BOS where the
+tokenizer adds one, and only the second half of each chunk (rows N/2 .. N-2).
+Perplexity is then over those positions; top-1 agreement their share.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -61,6 +69,17 @@ def tokenize(folder: Path, text: str, limit: int) -> list[int]:
     return Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text).ids[:limit]
 
 
+def llama_cpp_chunks(folder: Path, tokens: list[int], n: int) -> list[list[int]]:
+    """llama-perplexity's chunks of n tokens: its first token replaced by the
+    BOS where the tokenizer adds one (tokens[0] is then that BOS)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    bos = len(tokenizer.encode("a").ids) > len(tokenizer.encode("a", add_special_tokens=False).ids)
+    chunks = [tokens[i * n:(i + 1) * n] for i in range(len(tokens) // n)]
+    return [tokens[:1] + c[1:] if bos else c for c in chunks]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model id/folder/.gguf (default: bundled SmolLM2)")
@@ -69,14 +88,32 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--auto-kv-cache", choices=["float32", "bfloat16"], default=None,
                         help="the auto rows' KV cache dtype (default: the one auto picks)")
+    parser.add_argument("--llama-cpp-ctx", type=int, default=None, metavar="N",
+                        help="score llama-perplexity -c N's positions (the whole text; --tokens is ignored)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     folder = resolve(args.model)
-    tokens = tokenize(folder, TEXT.read_text(), args.tokens)
+    if args.llama_cpp_ctx:
+        n = args.llama_cpp_ctx
+        sequences = llama_cpp_chunks(folder, tokenize(folder, TEXT.read_text(), 1 << 30), n)
+        skip = n // 2
+        scope = f"llama-perplexity -c {n}'s {len(sequences) * (n - 1 - skip)} positions ({len(sequences)} chunks)"
+    else:
+        sequences, skip = [tokenize(folder, TEXT.read_text(), args.tokens)], 0
+        scope = f"{len(sequences[0])} tokens"
 
-    rows: list[tuple[str, torch.Tensor]] = []
+    def score_all(runner, chunk: int) -> list[torch.Tensor]:
+        return [score(runner, tokens, chunk) for tokens in sequences]
+
+    def fidelity(logits: list[torch.Tensor], reference: list[torch.Tensor]) -> tuple[float, float]:
+        """Top-1 agreement and perplexity over rows skip.. of every sequence
+        (each scores as many positions)."""
+        rs = [compare(l[skip:], r[skip:], t[skip:]) for l, r, t in zip(logits, reference, sequences)]
+        return sum(r["top1"] for r in rs) / len(rs), math.exp(sum(math.log(r["ppl"]) for r in rs) / len(rs))
+
+    rows: list[tuple[str, list[torch.Tensor]]] = []
     reference_runner = ModelRunner(folder, dtype="float32")
-    reference = score(reference_runner, tokens, args.chunk)
+    reference = score_all(reference_runner, args.chunk)
     del reference_runner
     rows.append(("float32", reference))
     # Only the auto rows take another cache; float32 and bfloat16 keep theirs.
@@ -84,17 +121,17 @@ def main() -> None:
     plan = auto.cpu_matmuls.describe() if auto.cpu_matmuls else "dense"
     plan += f"; KV cache {str(auto.kv_dtype).removeprefix('torch.')}"
     if auto.cpu_matmuls and auto.cpu_matmuls.block_rows > 0:
-        rows.append(("auto, decode", score(auto, tokens, 1)))
-    rows.append(("auto, prefill", score(auto, tokens, args.chunk)))
+        rows.append(("auto, decode", score_all(auto, 1)))
+    rows.append(("auto, prefill", score_all(auto, args.chunk)))
     del auto
-    rows.append(("bfloat16", score(ModelRunner(folder, dtype="bfloat16"), tokens, args.chunk)))
+    rows.append(("bfloat16", score_all(ModelRunner(folder, dtype="bfloat16"), args.chunk)))
 
-    ref = compare(reference, reference, tokens)
-    print(f"model {folder.name}, {len(tokens)} tokens of {TEXT.name}; --dtype auto here: {plan}")
+    _, ref_ppl = fidelity(reference, reference)
+    print(f"model {folder.name}, {scope} of {TEXT.name}; --dtype auto here: {plan}")
     print(f"{'path':<16} {'top-1 vs fp32':>14} {'perplexity':>11} {'vs fp32':>9}")
     for name, logits in rows:
-        r = compare(logits, reference, tokens)
-        print(f"{name:<16} {r['top1']:>13.2%} {r['ppl']:>11.3f} {r['ppl'] / ref['ppl'] - 1:>+9.2%}")
+        top1, ppl = fidelity(logits, reference)
+        print(f"{name:<16} {top1:>13.2%} {ppl:>11.3f} {ppl / ref_ppl - 1:>+9.2%}")
 
 
 if __name__ == "__main__":
