@@ -26,6 +26,8 @@
 # two chunks, the first 512 tokens of the text: the same tokens quality.py
 # scores by default (--tokens 512), but 254 scored positions, each with 128 to
 # 254 tokens of context, against quality.py's 511 with 1 to 511.
+# `python benchmarks/quality.py --model MODEL.gguf --llama-cpp-ctx CTX` scores
+# Sluice's paths on exactly these positions.
 #
 # Environment: CTX (256), THREADS (2), TEXT (benchmarks/quality_text.txt),
 # BASE_KV (float32 pass's KV cache type, f32), QUANT_KV (quantized pass's, f16,
