@@ -176,7 +176,7 @@ class QuantizedExperts:
 def pack_experts(records: list[gguf_blocks.Records], types: set[str]) -> tuple[torch.Tensor, int]:
     """Every expert's records of one projection -> (uint8 [E, bytes], the one
     record layout that holds all of them exactly)."""
-    whole = gguf_blocks.Records(*(np.concatenate(p) for p in zip(*((r.sw, r.cw, r.wq) for r in records))))
+    whole = gguf_blocks.Records.concat(records)
     layout = gguf_blocks.layout(types, whole)
     return torch.stack([gguf_blocks.pack(r, layout) for r in records]), layout
 

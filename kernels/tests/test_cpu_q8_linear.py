@@ -36,8 +36,12 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="the CPU kernels 
 
 # Every type the kernel reads, and the record layout each gets alone
 # (0: 4-bit weights, fp16 scales; 1: 8-bit, fp16; 2: 4-bit, fp32; 3: 8-bit,
-# fp32; 4: 8-bit, a fp32 scale pair per 16 weights).
-LAYOUTS = {"Q4_0": 0, "Q4_1": 0, "Q5_0": 1, "Q5_1": 1, "Q8_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4}
+# fp32; 4: 8-bit, a fp32 scale pair per 16 weights; 5, 6: the K-quant
+# super-block layouts, Q4_K's and Q6_K's own fields).
+LAYOUTS = {"Q4_0": 0, "Q4_1": 0, "Q5_0": 1, "Q5_1": 1, "Q8_0": 1, "Q4_K": 5, "Q5_K": 3, "Q6_K": 6}
+# The per-block layout each K-quant type gets where it cannot have its own
+# (a layer mixing it with other types): the same values, other records.
+PER_BLOCK = {"Q4_K": gguf_blocks.U4_F32, "Q6_K": gguf_blocks.U8_HALVES}
 # Each kernel is forced by its isa code, the portable one too, so every path
 # this CPU has runs here (conftest.py reports which ran, and fails the run
 # when no SIMD path did).
@@ -204,6 +208,54 @@ def test_int8_activations_stay_close_to_the_float_matmul(fmt):
     exact = x @ torch.from_numpy(w.expand()).T
     rel = (got - exact).norm() / exact.norm()
     assert rel < 0.01, f"relative error {rel:.4f}"
+
+
+@pytest.mark.parametrize("isa", [isa_param(c) for c in ALL_ISAS])
+@pytest.mark.parametrize("fmt", sorted(PER_BLOCK))
+# 16 rows and more: the AVX-512 kernel expands each group's super-blocks
+# first; 1-5 rows read them directly; 17/70: tile remainders, two items.
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 70])
+def test_super_block_layouts_give_the_per_block_layouts_results(isa, fmt, rows):
+    """U4_K / U6_K form each block's scale pair from the super-block's d and
+    6- or 8-bit scales inside the kernel: exactly the float32 pair the
+    per-block layouts store, so both arithmetics give the same bits."""
+    n, k = 45, 768
+    w = records(fmt, n, k, seed=rows)
+    x = randn(rows, k, seed=3)
+    for linear in (q8_linear, exact_linear):
+        assert torch.equal(linear(x, w, LAYOUTS[fmt], isa), linear(x, w, PER_BLOCK[fmt], isa))
+
+
+@pytest.mark.parametrize("fmt", sorted(PER_BLOCK))
+def test_super_block_layouts_hold_about_the_files_bytes(fmt):
+    n, k = 64, 2048
+    w = records(fmt, n, k, seed=1)
+    file_bytes = n * k // 256 * gguf_blocks.BLOCK_BYTES[fmt]
+    packed = gguf_blocks.pack(w, LAYOUTS[fmt]).numel()
+    # Q4_K: 2 bytes more per 32 weights (the scale pair unpacked to bytes), d and dmin per 16 rows' super-block.
+    assert packed <= 1.03 * file_bytes, (packed, file_bytes)
+    assert packed < 0.8 * gguf_blocks.pack(w, PER_BLOCK[fmt]).numel()
+
+
+def test_k_quant_fields_survive_row_order_and_stacking():
+    a, b = records("Q4_K", 16, 256, seed=1), records("Q4_K", 21, 256, seed=2)
+    order = np.arange(21)[::-1]
+    stacked = gguf_blocks.Records.concat([a, b.take(order)])
+    assert stacked.kquant == "Q4_K" and gguf_blocks.layout({"Q4_K"}, stacked) == gguf_blocks.U4_K
+    x = randn(3, 256, seed=4)
+    want = torch.cat([q8_linear(x, a, gguf_blocks.U4_F32), q8_linear(x, b, gguf_blocks.U4_F32)[:, order.copy()]], 1)
+    assert torch.equal(q8_linear(x, stacked, gguf_blocks.U4_K), want)
+    mixed = gguf_blocks.Records.concat([a, records("Q6_K", 16, 256, seed=3)])
+    assert mixed.kquant is None and gguf_blocks.layout({"Q4_K", "Q6_K"}, mixed) == gguf_blocks.U8_HALVES
+    with pytest.raises(ValueError, match="holds Q4_K records only"):
+        gguf_blocks.pack(mixed, gguf_blocks.U4_K)
+
+
+def test_super_block_layouts_need_whole_super_blocks():
+    w = records("Q4_K", 16, 512, seed=1)
+    packed = gguf_blocks.pack(w, gguf_blocks.U4_K)
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        torch.ops.sluice_cpu.q8_linear(randn(1, 288), packed, gguf_blocks.U4_K, 16)
 
 
 def test_pack_and_linear_reject_mismatched_shapes():

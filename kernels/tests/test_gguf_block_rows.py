@@ -17,7 +17,7 @@ from .kernel_cases import random_blocks
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="the CPU kernels did not build")
 
-LAYOUTS = {"Q4_0": 0, "Q4_1": 0, "Q5_0": 1, "Q5_1": 1, "Q8_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4}
+LAYOUTS = {"Q4_0": 0, "Q4_1": 0, "Q5_0": 1, "Q5_1": 1, "Q8_0": 1, "Q4_K": 5, "Q5_K": 3, "Q6_K": 6}
 
 
 def weight(records: gguf_blocks.Records, layout: int) -> gguf_blocks.QuantizedWeight:

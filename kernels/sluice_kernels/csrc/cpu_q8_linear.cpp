@@ -26,7 +26,25 @@
 //   4-bit, chunk c = 0..3 (64 bytes each):  for n < 16, i < 4:
 //        byte = wq[n, 4c + i] | wq[n, 16 + 4c + i] << 4
 //        (low nibbles: K-chunk c, high nibbles: K-chunk c + 4)
-// The four layouts are the codes below (the `format` argument of q8_linear).
+//
+// The K-quants' scales are products: d * sc (d fp16, sc 6 or 8 bits), which
+// need float32, and fp32 pairs per 32 weights cost a Q4_K layer 1.33x its
+// file. So a layer all of Q4_K or all of Q6_K keeps the super-block's own
+// fields instead, per group and super-block of 256 values (8 blocks):
+//
+//   U4_K  [ d: 16 fp16 ][ dmin: 16 fp16 ][ sc: 8 x 16 bytes ][ m: 8 x 16 bytes ]
+//         then 8 blocks of 4-bit weights as above          (1.03x a Q4_K file)
+//   U6_K  [ d: 16 fp16 ][ sc: 16 x 16 int8, one per run of 16 ]
+//         then 8 blocks of: the low 4 bits as 4-bit weights, and two planes
+//         of 64 bytes with the high 2 bits, plane p byte 4 n + i holding
+//         those of chunks p, p + 2, p + 4, p + 6 at bits 0-1, 2-3, 4-5, 6-7
+//                                                          (1.0x a Q6_K file)
+//
+// and the kernels form the block's pair, d * sc and -(dmin * m) or -32 d sc,
+// in registers: the same float32 values the other layouts store (each
+// product is exact), so the results are the same bits.
+//
+// The layouts are the codes below (the `format` argument of q8_linear).
 //
 // A K-chunk of 4 values of one activation row is broadcast to all 16 lanes and
 // multiplied with the 16 outputs' 4 weights: one VPDPBUSD per chunk.
@@ -69,18 +87,49 @@ namespace {
 constexpr int64_t QK = 32;  // values per block
 constexpr int64_t NG = 16;  // outputs per group
 
-// Record layouts: weight bits x scale width.
-enum Layout : int64_t { U4_F16 = 0, U8_F16 = 1, U4_F32 = 2, U8_F32 = 3, U8_HALVES = 4 };
+// Record layouts: weight bits x scale width, then the two K-quant layouts
+// that keep a super-block's own scale fields (see the top of the file).
+enum Layout : int64_t { U4_F16 = 0, U8_F16 = 1, U4_F32 = 2, U8_F32 = 3, U8_HALVES = 4, U4_K = 5, U6_K = 6 };
 enum Isa : int64_t { ISA_AUTO = 0, ISA_SCALAR = 1, ISA_AVX2 = 2, ISA_AVX_VNNI = 3, ISA_AVX512_VNNI = 4 };
 
-constexpr bool four_bit(int64_t l) { return l == U4_F16 || l == U4_F32; }
+// Super-block layouts: a header per 256 values, then 8 blocks' weights.
+constexpr bool super_blocks(int64_t l) { return l == U4_K || l == U6_K; }
+// The weights' low 4 bits are nibble-packed (U6_K adds a plane of 2 high bits).
+constexpr bool four_bit(int64_t l) { return l == U4_F16 || l == U4_F32 || l == U4_K || l == U6_K; }
+constexpr bool six_bit(int64_t l) { return l == U6_K; }
 constexpr bool f32_scales(int64_t l) { return l == U4_F32 || l == U8_F32 || l == U8_HALVES; }
-constexpr bool halves(int64_t l) { return l == U8_HALVES; }
+// A scale pair per 16 weights instead of per 32.
+constexpr bool halves(int64_t l) { return l == U8_HALVES || l == U6_K; }
 constexpr int64_t scale_bytes(int64_t l) { return f32_scales(l) ? 4 : 2; }
 // Scale vectors of 16 per record: (sw, cw), or (sw lo, sw hi, cw lo, cw hi).
-constexpr int64_t scale_sets(int64_t l) { return halves(l) ? 4 : 2; }
-constexpr int64_t header_bytes(int64_t l) { return scale_sets(l) * NG * scale_bytes(l); }
-constexpr int64_t record_bytes(int64_t l) { return header_bytes(l) + (four_bit(l) ? NG * QK / 2 : NG * QK); }
+constexpr int64_t scale_sets(int64_t l) { return l == U8_HALVES ? 4 : 2; }
+constexpr int64_t weight_bytes(int64_t l) {
+  return six_bit(l) ? NG * QK / 2 + NG * QK / 4 : four_bit(l) ? NG * QK / 2 : NG * QK;
+}
+// Bytes before a record's weights; for super-block layouts, before its first block's.
+constexpr int64_t header_bytes(int64_t l) {
+  return l == U4_K ? 2 * NG * 2 + 2 * 8 * NG     // d, dmin fp16; 8 (sc, m) byte pairs
+         : l == U6_K ? NG * 2 + 16 * NG          // d fp16; 16 int8 scales
+                     : scale_sets(l) * NG * scale_bytes(l);
+}
+constexpr int64_t record_bytes(int64_t l) { return header_bytes(l) + weight_bytes(l); }
+constexpr int64_t SUPER = 8;  // blocks of 32 per K-quant super-block
+// Bytes of one group's records for nb blocks of 32.
+constexpr int64_t group_bytes(int64_t l, int64_t nb) {
+  return super_blocks(l) ? nb / SUPER * (header_bytes(l) + SUPER * weight_bytes(l)) : nb * record_bytes(l);
+}
+
+// Block b of a group whose records start at `group`: its header (the
+// record's, or its super-block's) and its weights.
+inline void locate(int64_t l, const uint8_t* group, int64_t b, const uint8_t*& head, const uint8_t*& weights) {
+  if (super_blocks(l)) {
+    head = group + (b / SUPER) * (header_bytes(l) + SUPER * weight_bytes(l));
+    weights = head + header_bytes(l) + (b % SUPER) * weight_bytes(l);
+  } else {
+    head = group + b * record_bytes(l);
+    weights = head + header_bytes(l);
+  }
+}
 
 inline float fp16(const uint8_t* p) {
   uint16_t h;
@@ -88,13 +137,55 @@ inline float fp16(const uint8_t* p) {
   return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
 }
 
-// Scale i (< 16) of a record's scale vector `which` (< scale_sets).
-inline float record_scale(int64_t layout, const uint8_t* rec, int which, int64_t i) {
-  const uint8_t* p = rec + (which * NG + i) * scale_bytes(layout);
-  if (!f32_scales(layout)) return fp16(p);
-  float v;
-  std::memcpy(&v, p, 4);
-  return v;
+// Output i's (< 16) scale pairs for block b: sw[h], cw[h] for the half h of
+// 16 values (the same pair for both where the layout has one per 32). The
+// K-quant layouts form them as the unpacking does (gguf_blocks.py): d * sc
+// and -(dmin * m), or d * sc and -32 * (d * sc), each exact in float32.
+inline void block_scales(int64_t layout, const uint8_t* head, int64_t b, int64_t i, float sw[2], float cw[2]) {
+  const int64_t j = b % SUPER;
+  if (layout == U4_K) {
+    sw[0] = sw[1] = fp16(head + 2 * i) * static_cast<float>(head[4 * NG + j * NG + i]);
+    cw[0] = cw[1] = -(fp16(head + 2 * NG + 2 * i) * static_cast<float>(head[4 * NG + 8 * NG + j * NG + i]));
+    return;
+  }
+  if (layout == U6_K) {
+    for (int h = 0; h < 2; ++h) {
+      sw[h] = fp16(head + 2 * i) * static_cast<float>(static_cast<int8_t>(head[2 * NG + (2 * j + h) * NG + i]));
+      cw[h] = -32.f * sw[h];
+    }
+    return;
+  }
+  auto scale = [&](int which) {
+    const uint8_t* p = head + (which * NG + i) * scale_bytes(layout);
+    if (!f32_scales(layout)) return fp16(p);
+    float v;
+    std::memcpy(&v, p, 4);
+    return v;
+  };
+  if (halves(layout)) {
+    sw[0] = scale(0), sw[1] = scale(1), cw[0] = scale(2), cw[1] = scale(3);
+  } else {
+    sw[0] = sw[1] = scale(0);
+    cw[0] = cw[1] = scale(1);
+  }
+}
+
+// Output i's 32 weights (wq) of a block from its record's weight bytes.
+inline void block_weights(int64_t layout, const uint8_t* w, int64_t i, uint8_t wq[QK]) {
+  if (!four_bit(layout)) {
+    for (int c = 0; c < 8; ++c)
+      for (int k = 0; k < 4; ++k) wq[c * 4 + k] = w[c * 64 + i * 4 + k];
+    return;
+  }
+  for (int c = 0; c < 4; ++c)
+    for (int k = 0; k < 4; ++k) {
+      const uint8_t byte = w[c * 64 + i * 4 + k];
+      wq[c * 4 + k] = byte & 15;
+      wq[16 + c * 4 + k] = byte >> 4;
+    }
+  if (six_bit(layout))  // chunk c's high bits: plane c % 2, bits 2 (c / 2) of each byte
+    for (int c = 0; c < 8; ++c)
+      for (int k = 0; k < 4; ++k) wq[c * 4 + k] |= ((w[256 + (c % 2) * 64 + i * 4 + k] >> (2 * (c / 2))) & 3) << 4;
 }
 
 // ---------------------------------------------------------------------------
@@ -238,27 +329,22 @@ struct Args {
   const float* sx_hi;
   float* y;
   int64_t K, nb, N, format;
+  // This group's records where they are not at packed + g * group_bytes
+  // (expanded_group's copy).
+  const uint8_t* records = nullptr;
 };
 
 void group_scalar(const Args& a, int64_t g, int64_t r0, int64_t R) {
-  const int64_t rb = record_bytes(a.format);
+  const uint8_t* group = a.packed + g * group_bytes(a.format, a.nb);
   float acc[8][NG] = {};
   for (int64_t b = 0; b < a.nb; ++b) {
-    const uint8_t* rec = a.packed + (g * a.nb + b) * rb;
-    const uint8_t* w = rec + header_bytes(a.format);
+    const uint8_t *head, *w;
+    locate(a.format, group, b, head, w);
     for (int64_t i = 0; i < NG; ++i) {
       uint8_t wq[QK];
-      if (!four_bit(a.format)) {
-        for (int c = 0; c < 8; ++c)
-          for (int k = 0; k < 4; ++k) wq[c * 4 + k] = w[c * 64 + i * 4 + k];
-      } else {
-        for (int c = 0; c < 4; ++c)
-          for (int k = 0; k < 4; ++k) {
-            const uint8_t byte = w[c * 64 + i * 4 + k];
-            wq[c * 4 + k] = byte & 15;
-            wq[16 + c * 4 + k] = byte >> 4;
-          }
-      }
+      float sw[2], cw[2];
+      block_weights(a.format, w, i, wq);
+      block_scales(a.format, head, b, i, sw, cw);
       for (int64_t r = 0; r < R; ++r) {
         const int8_t* xq = a.xq + (r0 + r) * a.K + b * QK;
         int32_t dot[2] = {0, 0};
@@ -266,12 +352,9 @@ void group_scalar(const Args& a, int64_t g, int64_t r0, int64_t R) {
         const int64_t xi = (r0 + r) * a.nb + b;
         if (halves(a.format)) {
           const float sx[2] = {a.sx_lo[xi], a.sx_hi[xi]};
-          for (int h = 0; h < 2; ++h)
-            acc[r][i] += static_cast<float>(dot[h]) * (record_scale(a.format, rec, h, i) * a.dx[xi]) +
-                         record_scale(a.format, rec, 2 + h, i) * sx[h];
+          for (int h = 0; h < 2; ++h) acc[r][i] += static_cast<float>(dot[h]) * (sw[h] * a.dx[xi]) + cw[h] * sx[h];
         } else {
-          const float sw = record_scale(a.format, rec, 0, i), cw = record_scale(a.format, rec, 1, i);
-          acc[r][i] += static_cast<float>(dot[0] + dot[1]) * (sw * a.dx[xi]) + cw * a.sx[xi];
+          acc[r][i] += static_cast<float>(dot[0] + dot[1]) * (sw[0] * a.dx[xi]) + cw[0] * a.sx[xi];
         }
       }
     }
@@ -281,34 +364,97 @@ void group_scalar(const Args& a, int64_t g, int64_t r0, int64_t R) {
 }
 
 #ifdef SLUICE_X86
+// The vector forms of block_weights / block_scales: a block's weights for
+// the group's 16 outputs as 8 chunks of 4 values, and its scale pairs.
+template <int64_t F>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void weights512(const uint8_t* wp, __m512i w[8]) {
+  if constexpr (!four_bit(F)) {
+    for (int c = 0; c < 8; ++c) w[c] = _mm512_loadu_si512(wp + 64 * c);
+  } else {
+    const __m512i mask = _mm512_set1_epi8(15);
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_loadu_si512(wp + 64 * c);
+      w[c] = _mm512_and_si512(v, mask);
+      w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+    }
+    if constexpr (six_bit(F)) {
+      // Plane p holds chunk p + 2t's high bits at bits 2t, 2t + 1: moved to 4, 5.
+      const __m512i bits = _mm512_set1_epi8(0x30);
+      for (int p = 0; p < 2; ++p) {
+        const __m512i h = _mm512_loadu_si512(wp + 256 + 64 * p);
+        w[p] = _mm512_or_si512(w[p], _mm512_and_si512(_mm512_slli_epi16(h, 4), bits));
+        w[p + 2] = _mm512_or_si512(w[p + 2], _mm512_and_si512(_mm512_slli_epi16(h, 2), bits));
+        w[p + 4] = _mm512_or_si512(w[p + 4], _mm512_and_si512(h, bits));
+        w[p + 6] = _mm512_or_si512(w[p + 6], _mm512_and_si512(_mm512_srli_epi16(h, 2), bits));
+      }
+    }
+  }
+}
+
+__attribute__((target("avx512f,f16c"))) inline __m512 half16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// A K-quant super-block's d (and dmin) for the 16 outputs, converted once per 8 blocks.
+template <int64_t F>
+__attribute__((target("avx512f,f16c"))) inline void super512(const uint8_t* head, __m512 dd[2]) {
+  dd[0] = half16(head);
+  if constexpr (F == U4_K) dd[1] = half16(head + 32);
+}
+
+template <int64_t F>
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline void scales512(const uint8_t* head, int64_t b,
+                                                                                 const __m512 dd[2], __m512 sw[2],
+                                                                                 __m512 cw[2]) {
+  const int64_t j = b % SUPER;
+  if constexpr (F == U4_K) {
+    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head + 64 + 16 * j))));
+    const __m512 m = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head + 192 + 16 * j))));
+    sw[0] = sw[1] = _mm512_mul_ps(dd[0], sc);
+    const __m512i product = _mm512_castps_si512(_mm512_mul_ps(dd[1], m));
+    cw[0] = cw[1] = _mm512_castsi512_ps(_mm512_xor_si512(product, _mm512_set1_epi32(INT32_MIN)));  // -(dmin * m)
+  } else if constexpr (F == U6_K) {
+    for (int h = 0; h < 2; ++h) {
+      const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(head + 32 + 16 * (2 * j + h)));
+      sw[h] = _mm512_mul_ps(dd[0], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+      cw[h] = _mm512_mul_ps(sw[h], _mm512_set1_ps(-32.f));
+    }
+  } else if constexpr (halves(F)) {
+    const float* s = reinterpret_cast<const float*>(head);
+    sw[0] = _mm512_loadu_ps(s), sw[1] = _mm512_loadu_ps(s + 16);
+    cw[0] = _mm512_loadu_ps(s + 32), cw[1] = _mm512_loadu_ps(s + 48);
+  } else if constexpr (f32_scales(F)) {
+    sw[0] = sw[1] = _mm512_loadu_ps(head);
+    cw[0] = cw[1] = _mm512_loadu_ps(head + 64);
+  } else {
+    sw[0] = sw[1] = half16(head);
+    cw[0] = cw[1] = half16(head + 32);
+  }
+}
+
 template <int R, int64_t F>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void group_avx512(const Args& a, int64_t g,
                                                                                           int64_t r0) {
-  constexpr int64_t rb = record_bytes(F);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const uint8_t* rec = a.packed + g * a.nb * rb;
+  const uint8_t* group = a.records ? a.records : a.packed + g * group_bytes(F, a.nb);
   const int32_t* xq = reinterpret_cast<const int32_t*>(a.xq + r0 * a.K);
   const int64_t xq_row = a.K / 4;
   const float* dx = a.dx + r0 * a.nb;
   const float* sx = a.sx + r0 * a.nb;
   const float* sx_lo = a.sx_lo + r0 * a.nb;
   const float* sx_hi = a.sx_hi + r0 * a.nb;
-  for (int64_t b = 0; b < a.nb; ++b, rec += rb) {
-    const uint8_t* wp = rec + header_bytes(F);
+  __m512 dd[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t *head, *wp;
+    locate(F, group, b, head, wp);
     __m512i w[8];
-    if constexpr (!four_bit(F)) {
-      for (int c = 0; c < 8; ++c) w[c] = _mm512_loadu_si512(wp + 64 * c);
-    } else {
-      const __m512i mask = _mm512_set1_epi8(15);
-      for (int c = 0; c < 4; ++c) {
-        const __m512i v = _mm512_loadu_si512(wp + 64 * c);
-        w[c] = _mm512_and_si512(v, mask);
-        w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
-      }
-    }
+    weights512<F>(wp, w);
+    if constexpr (super_blocks(F))
+      if (b % SUPER == 0) super512<F>(head, dd);
+    __m512 sw[2], cw[2];
+    scales512<F>(head, b, dd, sw, cw);
     if constexpr (halves(F)) {
-      const float* scales = reinterpret_cast<const float*>(rec);
       for (int r = 0; r < R; ++r) {
         const int32_t* xr = xq + r * xq_row + b * 8;
         __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
@@ -318,20 +464,12 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void group_
         }
         const int64_t xi = r * a.nb + b;
         const __m512 scale = _mm512_set1_ps(dx[xi]);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_mul_ps(_mm512_loadu_ps(scales), scale), acc[r]);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_mul_ps(_mm512_loadu_ps(scales + 16), scale), acc[r]);
-        acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(scales + 32), _mm512_set1_ps(sx_lo[xi]), acc[r]);
-        acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(scales + 48), _mm512_set1_ps(sx_hi[xi]), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_mul_ps(sw[0], scale), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_mul_ps(sw[1], scale), acc[r]);
+        acc[r] = _mm512_fmadd_ps(cw[0], _mm512_set1_ps(sx_lo[xi]), acc[r]);
+        acc[r] = _mm512_fmadd_ps(cw[1], _mm512_set1_ps(sx_hi[xi]), acc[r]);
       }
       continue;
-    }
-    __m512 sw, cw;
-    if constexpr (f32_scales(F)) {
-      sw = _mm512_loadu_ps(rec);
-      cw = _mm512_loadu_ps(rec + 64);
-    } else {
-      sw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
-      cw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32)));
     }
     for (int r = 0; r < R; ++r) {
       const int32_t* xr = xq + r * xq_row + b * 8;
@@ -341,13 +479,50 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void group_
         d1 = _mm512_dpbusd_epi32(d1, w[c + 1], _mm512_set1_epi32(xr[c + 1]));
       }
       const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1));
-      acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(sw, _mm512_set1_ps(dx[r * a.nb + b])), acc[r]);
-      acc[r] = _mm512_fmadd_ps(cw, _mm512_set1_ps(sx[r * a.nb + b]), acc[r]);
+      acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(sw[0], _mm512_set1_ps(dx[r * a.nb + b])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(cw[0], _mm512_set1_ps(sx[r * a.nb + b]), acc[r]);
     }
   }
   const int64_t n0 = g * NG;
   const __mmask16 keep = a.N - n0 >= NG ? __mmask16(0xFFFF) : __mmask16((1u << (a.N - n0)) - 1);
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(a.y + (r0 + r) * a.N + n0, keep, acc[r]);
+}
+
+// A group's K-quant records (U4_K, U6_K) rewritten as the records of
+// expanded_layout (U4_F32, U8_HALVES): the same weights and the same float32
+// scale pairs, so the kernel computes the same values from them, bit for
+// bit, without unpacking nibbles, high bits and scales again for every tile
+// of rows. Worth it for a work item of many rows (a prefill's), whose tiles
+// all read the group's records.
+constexpr int64_t expanded_layout(int64_t l) { return l == U4_K ? U4_F32 : U8_HALVES; }
+
+template <int64_t F>
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) void expand_group512(const uint8_t* group, int64_t nb,
+                                                                                uint8_t* out) {
+  constexpr int64_t T = expanded_layout(F);
+  __m512 dd[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t *head, *wp;
+    locate(F, group, b, head, wp);
+    if (b % SUPER == 0) super512<F>(head, dd);
+    __m512 sw[2], cw[2];
+    scales512<F>(head, b, dd, sw, cw);
+    uint8_t* rec = out + b * record_bytes(T);
+    float* scales = reinterpret_cast<float*>(rec);
+    if constexpr (T == U8_HALVES) {
+      _mm512_storeu_ps(scales, sw[0]), _mm512_storeu_ps(scales + 16, sw[1]);
+      _mm512_storeu_ps(scales + 32, cw[0]), _mm512_storeu_ps(scales + 48, cw[1]);
+    } else {
+      _mm512_storeu_ps(scales, sw[0]), _mm512_storeu_ps(scales + 16, cw[0]);
+    }
+    if constexpr (four_bit(T)) {  // the same nibble records
+      for (int c = 0; c < 4; ++c) _mm512_storeu_si512(rec + header_bytes(T) + 64 * c, _mm512_loadu_si512(wp + 64 * c));
+    } else {
+      __m512i w[8];
+      weights512<F>(wp, w);
+      for (int c = 0; c < 8; ++c) _mm512_storeu_si512(rec + header_bytes(T) + 64 * c, w[c]);
+    }
+  }
 }
 
 // 256-bit kernels: the 16 outputs of a group as two halves of 8.
@@ -371,34 +546,88 @@ __attribute__((target("avx2"))) inline __m256i dot_u8s8<false>(__m256i acc, __m2
   return _mm256_add_epi32(acc, _mm256_hadd_epi32(lo, hi));
 }
 
+// weights512 / scales512 for the 256-bit kernels: [chunk][which 8 outputs],
+// and sw[k][h], cw[k][h] for the half k of 16 values and the outputs' half h.
+template <int64_t F>
+__attribute__((target("avx2"))) inline void weights256(const uint8_t* wp, __m256i w[8][2]) {
+  auto load = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
+  if constexpr (!four_bit(F)) {
+    for (int c = 0; c < 8; ++c)
+      for (int h = 0; h < 2; ++h) w[c][h] = load(wp + 64 * c + 32 * h);
+  } else {
+    const __m256i mask = _mm256_set1_epi8(15);
+    for (int c = 0; c < 4; ++c)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = load(wp + 64 * c + 32 * h);
+        w[c][h] = _mm256_and_si256(v, mask);
+        w[c + 4][h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+      }
+    if constexpr (six_bit(F)) {
+      const __m256i bits = _mm256_set1_epi8(0x30);
+      for (int p = 0; p < 2; ++p)
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = load(wp + 256 + 64 * p + 32 * h);
+          w[p][h] = _mm256_or_si256(w[p][h], _mm256_and_si256(_mm256_slli_epi16(v, 4), bits));
+          w[p + 2][h] = _mm256_or_si256(w[p + 2][h], _mm256_and_si256(_mm256_slli_epi16(v, 2), bits));
+          w[p + 4][h] = _mm256_or_si256(w[p + 4][h], _mm256_and_si256(v, bits));
+          w[p + 6][h] = _mm256_or_si256(w[p + 6][h], _mm256_and_si256(_mm256_srli_epi16(v, 2), bits));
+        }
+    }
+  }
+}
+
+template <int64_t F>
+__attribute__((target("avx2,f16c"))) inline void scales256(const uint8_t* head, int64_t b, __m256 sw[2][2],
+                                                           __m256 cw[2][2]) {
+  const int64_t j = b % SUPER;
+  auto half8 = [](const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); };
+  auto bytes8 = [](const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); };
+  for (int h = 0; h < 2; ++h) {
+    if constexpr (F == U4_K) {
+      const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8(head + 64 + 16 * j + 8 * h)));
+      const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8(head + 192 + 16 * j + 8 * h)));
+      sw[0][h] = sw[1][h] = _mm256_mul_ps(half8(head + 16 * h), sc);
+      cw[0][h] = cw[1][h] = _mm256_xor_ps(_mm256_mul_ps(half8(head + 32 + 16 * h), m), _mm256_set1_ps(-0.f));
+    } else if constexpr (F == U6_K) {
+      const __m256 d = half8(head + 16 * h);
+      for (int k = 0; k < 2; ++k) {
+        sw[k][h] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes8(head + 32 + 16 * (2 * j + k) + 8 * h))));
+        cw[k][h] = _mm256_mul_ps(sw[k][h], _mm256_set1_ps(-32.f));
+      }
+    } else if constexpr (halves(F)) {
+      const float* s = reinterpret_cast<const float*>(head);
+      for (int k = 0; k < 2; ++k) {
+        sw[k][h] = _mm256_loadu_ps(s + 16 * k + 8 * h);
+        cw[k][h] = _mm256_loadu_ps(s + 32 + 16 * k + 8 * h);
+      }
+    } else if constexpr (f32_scales(F)) {
+      sw[0][h] = sw[1][h] = _mm256_loadu_ps(reinterpret_cast<const float*>(head + 32 * h));
+      cw[0][h] = cw[1][h] = _mm256_loadu_ps(reinterpret_cast<const float*>(head + 64 + 32 * h));
+    } else {
+      sw[0][h] = sw[1][h] = half8(head + 16 * h);
+      cw[0][h] = cw[1][h] = half8(head + 32 + 16 * h);
+    }
+  }
+}
+
 template <int R, int64_t F, bool VNNI>
 __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_avx2(const Args& a, int64_t g, int64_t r0) {
-  constexpr int64_t rb = record_bytes(F);
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  const uint8_t* rec = a.packed + g * a.nb * rb;
+  const uint8_t* group = a.packed + g * group_bytes(F, a.nb);
   const float* dx = a.dx + r0 * a.nb;
   const float* sx = a.sx + r0 * a.nb;
   const float* sx_lo = a.sx_lo + r0 * a.nb;
   const float* sx_hi = a.sx_hi + r0 * a.nb;
-  for (int64_t b = 0; b < a.nb; ++b, rec += rb) {
-    const uint8_t* wp = rec + header_bytes(F);
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t *head, *wp;
+    locate(F, group, b, head, wp);
     __m256i w[8][2];
-    if constexpr (!four_bit(F)) {
-      for (int c = 0; c < 8; ++c)
-        for (int h = 0; h < 2; ++h) w[c][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 64 * c + 32 * h));
-    } else {
-      const __m256i mask = _mm256_set1_epi8(15);
-      for (int c = 0; c < 4; ++c)
-        for (int h = 0; h < 2; ++h) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 64 * c + 32 * h));
-          w[c][h] = _mm256_and_si256(v, mask);
-          w[c + 4][h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-        }
-    }
+    weights256<F>(wp, w);
+    __m256 sw[2][2], cw[2][2];
+    scales256<F>(head, b, sw, cw);
     if constexpr (halves(F)) {
       // h: which 8 of the 16 outputs; k: which half of the 32 values.
-      const float* scales = reinterpret_cast<const float*>(rec);
       for (int r = 0; r < R; ++r) {
         const int32_t* xr = reinterpret_cast<const int32_t*>(a.xq + (r0 + r) * a.K + b * QK);
         __m256i d[2][2] = {{_mm256_setzero_si256(), _mm256_setzero_si256()},
@@ -412,23 +641,11 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_avx2(const Args& a, 
         const __m256 shift[2] = {_mm256_set1_ps(sx_lo[xi]), _mm256_set1_ps(sx_hi[xi])};
         for (int k = 0; k < 2; ++k)
           for (int h = 0; h < 2; ++h) {
-            const __m256 swk = _mm256_loadu_ps(scales + 16 * k + 8 * h);
-            const __m256 cwk = _mm256_loadu_ps(scales + 32 + 16 * k + 8 * h);
-            acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[k][h]), _mm256_mul_ps(swk, scale), acc[r][h]);
-            acc[r][h] = _mm256_fmadd_ps(cwk, shift[k], acc[r][h]);
+            acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[k][h]), _mm256_mul_ps(sw[k][h], scale), acc[r][h]);
+            acc[r][h] = _mm256_fmadd_ps(cw[k][h], shift[k], acc[r][h]);
           }
       }
       continue;
-    }
-    __m256 sw[2], cw[2];
-    for (int h = 0; h < 2; ++h) {
-      if constexpr (f32_scales(F)) {
-        sw[h] = _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 32 * h));
-        cw[h] = _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 64 + 32 * h));
-      } else {
-        sw[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 16 * h)));
-        cw[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 + 16 * h)));
-      }
     }
     for (int r = 0; r < R; ++r) {
       const int32_t* xr = reinterpret_cast<const int32_t*>(a.xq + (r0 + r) * a.K + b * QK);
@@ -439,8 +656,8 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_avx2(const Args& a, 
       }
       const __m256 scale = _mm256_set1_ps(dx[r * a.nb + b]), shift = _mm256_set1_ps(sx[r * a.nb + b]);
       for (int h = 0; h < 2; ++h) {
-        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[h]), _mm256_mul_ps(sw[h], scale), acc[r][h]);
-        acc[r][h] = _mm256_fmadd_ps(cw[h], shift, acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[h]), _mm256_mul_ps(sw[0][h], scale), acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(cw[0][h], shift, acc[r][h]);
       }
     }
   }
@@ -484,22 +701,24 @@ struct FArgs {
 // c of 64 bytes, 4 bytes per output; the value is (byte >> shift) & mask.
 constexpr int value_chunk(int64_t l, int j) { return four_bit(l) ? (j % 16) / 4 : j / 4; }
 constexpr int value_shift(int64_t l, int j) { return 8 * (j % 4) + (four_bit(l) ? 4 * (j / 16) : 0); }
+// U6_K: value j's high 2 bits, in plane high_plane(j) (64 bytes each, after
+// the nibbles) of the same 4-byte word, at bit high_shift(j).
+constexpr int high_plane(int j) { return (j / 4) % 2; }
+constexpr int high_shift(int j) { return 8 * (j % 4) + 2 * (j / 8); }
 
 void fgroup_scalar(const FArgs& a, int64_t g, int64_t r0, int64_t R) {
-  const int64_t rb = record_bytes(a.format);
-  const uint32_t mask = four_bit(a.format) ? 15 : 255;
+  const uint8_t* group = a.packed + g * group_bytes(a.format, a.nb);
   float acc[8][NG] = {};
   for (int64_t b = 0; b < a.nb; ++b) {
-    const uint8_t* rec = a.packed + (g * a.nb + b) * rb;
-    const uint8_t* w = rec + header_bytes(a.format);
+    const uint8_t *head, *w;
+    locate(a.format, group, b, head, w);
     for (int64_t i = 0; i < NG; ++i) {
+      uint8_t wq[QK];
+      float sw[2], cw[2];
+      block_weights(a.format, w, i, wq);
+      block_scales(a.format, head, b, i, sw, cw);
       for (int j = 0; j < QK; ++j) {
-        const int h = halves(a.format) ? j / 16 : 0;
-        uint32_t word;
-        std::memcpy(&word, w + value_chunk(a.format, j) * 64 + i * 4, 4);
-        const float q = static_cast<float>((word >> value_shift(a.format, j)) & mask);
-        const float wj = std::fma(q, record_scale(a.format, rec, h, i),
-                                  record_scale(a.format, rec, scale_sets(a.format) / 2 + h, i));
+        const float wj = std::fma(static_cast<float>(wq[j]), sw[j / 16], cw[j / 16]);
         for (int64_t r = 0; r < R; ++r) acc[r][i] += wj * a.x[(r0 + r) * a.x_stride + b * QK + j];
       }
     }
@@ -512,30 +731,28 @@ void fgroup_scalar(const FArgs& a, int64_t g, int64_t r0, int64_t R) {
 template <int R, int64_t F>
 __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) void fgroup_avx512(const FArgs& a, int64_t g,
                                                                               int64_t r0) {
-  constexpr int64_t rb = record_bytes(F);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const uint8_t* rec = a.packed + g * a.nb * rb;
+  const uint8_t* group = a.packed + g * group_bytes(F, a.nb);
   const float* x = a.x + r0 * a.x_stride;
   const __m512i mask = _mm512_set1_epi32(four_bit(F) ? 15 : 255);
-  for (int64_t b = 0; b < a.nb; ++b, rec += rb, x += QK) {
-    const uint8_t* wp = rec + header_bytes(F);
+  __m512 dd[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int64_t b = 0; b < a.nb; ++b, x += QK) {
+    const uint8_t *head, *wp;
+    locate(F, group, b, head, wp);
+    if constexpr (super_blocks(F))
+      if (b % SUPER == 0) super512<F>(head, dd);
     __m512 sw[2], cw[2];
-    if constexpr (halves(F)) {
-      const float* s = reinterpret_cast<const float*>(rec);
-      sw[0] = _mm512_loadu_ps(s), sw[1] = _mm512_loadu_ps(s + 16);
-      cw[0] = _mm512_loadu_ps(s + 32), cw[1] = _mm512_loadu_ps(s + 48);
-    } else if constexpr (f32_scales(F)) {
-      sw[0] = sw[1] = _mm512_loadu_ps(rec);
-      cw[0] = cw[1] = _mm512_loadu_ps(rec + 64);
-    } else {
-      sw[0] = sw[1] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
-      cw[0] = cw[1] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32)));
-    }
+    scales512<F>(head, b, dd, sw, cw);
 #pragma GCC unroll 32
     for (int j = 0; j < QK; ++j) {
       const __m512i chunk = _mm512_loadu_si512(wp + 64 * value_chunk(F, j));
-      const __m512i q = _mm512_and_si512(_mm512_srli_epi32(chunk, value_shift(F, j)), mask);
+      __m512i q = _mm512_and_si512(_mm512_srli_epi32(chunk, value_shift(F, j)), mask);
+      if constexpr (six_bit(F)) {
+        const __m512i high = _mm512_loadu_si512(wp + 256 + 64 * high_plane(j));
+        q = _mm512_or_si512(q, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(high, high_shift(j)),
+                                                                  _mm512_set1_epi32(3)), 4));
+      }
       const __m512 wj = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), sw[j / 16], cw[j / 16]);
       for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(wj, _mm512_set1_ps(x[r * a.x_stride + j]), acc[r]);
     }
@@ -548,36 +765,28 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) void fgroup_avx512(con
 // The 16 outputs of a group as two halves of 8.
 template <int R, int64_t F>
 __attribute__((target("avx2,fma,f16c"))) void fgroup_avx2(const FArgs& a, int64_t g, int64_t r0) {
-  constexpr int64_t rb = record_bytes(F);
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  const uint8_t* rec = a.packed + g * a.nb * rb;
+  const uint8_t* group = a.packed + g * group_bytes(F, a.nb);
   const float* x = a.x + r0 * a.x_stride;
   const __m256i mask = _mm256_set1_epi32(four_bit(F) ? 15 : 255);
-  for (int64_t b = 0; b < a.nb; ++b, rec += rb, x += QK) {
-    const uint8_t* wp = rec + header_bytes(F);
+  for (int64_t b = 0; b < a.nb; ++b, x += QK) {
+    const uint8_t *head, *wp;
+    locate(F, group, b, head, wp);
     __m256 sw[2][2], cw[2][2];  // [which half of the 32 values][which 8 outputs]
-    for (int h = 0; h < 2; ++h) {
-      if constexpr (halves(F)) {
-        const float* s = reinterpret_cast<const float*>(rec);
-        for (int k = 0; k < 2; ++k) {
-          sw[k][h] = _mm256_loadu_ps(s + 16 * k + 8 * h);
-          cw[k][h] = _mm256_loadu_ps(s + 32 + 16 * k + 8 * h);
-        }
-      } else if constexpr (f32_scales(F)) {
-        sw[0][h] = sw[1][h] = _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 32 * h));
-        cw[0][h] = cw[1][h] = _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 64 + 32 * h));
-      } else {
-        sw[0][h] = sw[1][h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 16 * h)));
-        cw[0][h] = cw[1][h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 + 16 * h)));
-      }
-    }
+    scales256<F>(head, b, sw, cw);
 #pragma GCC unroll 32
     for (int j = 0; j < QK; ++j) {
       for (int h = 0; h < 2; ++h) {
         const __m256i chunk =
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 64 * value_chunk(F, j) + 32 * h));
-        const __m256i q = _mm256_and_si256(_mm256_srli_epi32(chunk, value_shift(F, j)), mask);
+        __m256i q = _mm256_and_si256(_mm256_srli_epi32(chunk, value_shift(F, j)), mask);
+        if constexpr (six_bit(F)) {
+          const __m256i high =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 256 + 64 * high_plane(j) + 32 * h));
+          q = _mm256_or_si256(q, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(high, high_shift(j)),
+                                                                    _mm256_set1_epi32(3)), 4));
+        }
         const __m256 wj = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), sw[j / 16][h], cw[j / 16][h]);
         for (int r = 0; r < R; ++r)
           acc[r][h] = _mm256_fmadd_ps(wj, _mm256_set1_ps(x[r * a.x_stride + j]), acc[r][h]);
@@ -670,13 +879,14 @@ Isa best_isa() {
 
 // Checks the arguments common to both arithmetics; the kernel set to use.
 Isa check_linear(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t N, int64_t isa_code) {
-  TORCH_CHECK(format >= U4_F16 && format <= U8_HALVES, "format must be a record layout, 0..4");
+  TORCH_CHECK(format >= U4_F16 && format <= U6_K, "format must be a record layout, 0..6");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, "x must be float32 [M, K]");
   const int64_t K = x.size(1);
   TORCH_CHECK(K % QK == 0, "K must be a multiple of 32");
+  TORCH_CHECK(!super_blocks(format) || K % (SUPER * QK) == 0, "K must be a multiple of 256 in layout ", format);
   const int64_t groups = (N + NG - 1) / NG;
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.numel() == groups * (K / QK) * record_bytes(format),
+                  packed.numel() == groups * group_bytes(format, K / QK),
               "packed weight does not match [", N, ", ", K, "] in this layout (see q8_pack)");
   const Isa isa = isa_code == ISA_AUTO ? best_isa() : static_cast<Isa>(isa_code);
   TORCH_CHECK(isa >= ISA_SCALAR && isa <= ISA_AVX512_VNNI, "unknown isa code ", isa_code);
@@ -693,8 +903,34 @@ void with_layout(int64_t format, const Fn& fn) {
     case U8_F16: return fn(std::integral_constant<int64_t, U8_F16>{});
     case U4_F32: return fn(std::integral_constant<int64_t, U4_F32>{});
     case U8_F32: return fn(std::integral_constant<int64_t, U8_F32>{});
-    default: return fn(std::integral_constant<int64_t, U8_HALVES>{});
+    case U8_HALVES: return fn(std::integral_constant<int64_t, U8_HALVES>{});
+    case U4_K: return fn(std::integral_constant<int64_t, U4_K>{});
+    default: return fn(std::integral_constant<int64_t, U6_K>{});
   }
+}
+
+// Rows per work item from which a K-quant group is expanded first.
+constexpr int64_t EXPAND_ROWS = 16;
+
+// One work item of q8_linear / grouped_block_linear: group g for a's M rows.
+void run_item(Isa isa, const Args& a, int64_t g, int64_t M) {
+#ifdef SLUICE_X86
+  if (isa == ISA_AVX512_VNNI && super_blocks(a.format) && M >= EXPAND_ROWS) {
+    thread_local std::vector<uint8_t> scratch;
+    scratch.resize(a.nb * record_bytes(expanded_layout(a.format)));
+    const uint8_t* group = a.packed + g * group_bytes(a.format, a.nb);
+    Args sub = a;
+    sub.records = scratch.data();
+    sub.format = expanded_layout(a.format);
+    if (a.format == U4_K) {
+      expand_group512<U4_K>(group, a.nb, scratch.data());
+      return run_group<U4_F32>(isa, sub, g, M);
+    }
+    expand_group512<U6_K>(group, a.nb, scratch.data());
+    return run_group<U8_HALVES>(isa, sub, g, M);
+  }
+#endif
+  with_layout(a.format, [&](auto F) { run_group<decltype(F)::value>(isa, a, g, M); });
 }
 
 // Runs fn(group, first row, rows) over work items (group, row tile): few rows
@@ -732,7 +968,7 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t form
     sub.sx_lo = a.sx_lo + r * nb;
     sub.sx_hi = a.sx_hi + r * nb;
     sub.y = a.y + r * N;
-    with_layout(format, [&](auto F) { run_group<decltype(F)::value>(isa, sub, g, m); });
+    run_item(isa, sub, g, m);
   });
   return y;
 }
@@ -759,31 +995,33 @@ at::Tensor exact_linear(const at::Tensor& x, const at::Tensor& packed, int64_t f
 // through a volatile so no compiler fuses the two into one rounding.
 // QuantizedWeight.rows_reference is the same in plain torch.
 at::Tensor block_rows(const at::Tensor& packed, int64_t format, int64_t N, const at::Tensor& ids) {
-  TORCH_CHECK(format >= U4_F16 && format <= U8_HALVES, "unknown record layout ", format);
+  TORCH_CHECK(format >= U4_F16 && format <= U6_K, "unknown record layout ", format);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed must be contiguous uint8");
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(), "ids must be int64 [T]");
-  const int64_t rb = record_bytes(format), groups = (N + NG - 1) / NG;
+  // Bytes of a group's records per unit: a record of 32 values, or a super-block of 256.
+  const int64_t unit = super_blocks(format) ? SUPER : 1, groups = (N + NG - 1) / NG;
+  const int64_t rb = group_bytes(format, unit);
   TORCH_CHECK(N > 0 && packed.numel() % (groups * rb) == 0, "packed does not hold whole records of ", N, " rows");
-  const int64_t nb = packed.numel() / (groups * rb), K = nb * QK, T = ids.size(0);
+  const int64_t nb = packed.numel() / (groups * rb) * unit, K = nb * QK, T = ids.size(0);
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(id[t] >= 0 && id[t] < N, "row ", id[t], " is not below ", N);
   at::Tensor out = at::empty({T, K}, at::kFloat);
   const uint8_t* base = packed.data_ptr<uint8_t>();
   float* y = out.data_ptr<float>();
-  const uint32_t mask = four_bit(format) ? 15 : 255;
   at::parallel_for(0, T, 16, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t g = id[t] / NG, i = id[t] % NG;
+      const uint8_t* group = base + g * group_bytes(format, nb);
       for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* rec = base + (g * nb + b) * rb;
-        const uint8_t* w = rec + header_bytes(format);
+        const uint8_t *head, *w;
+        locate(format, group, b, head, w);
+        uint8_t wq[QK];
+        float sw[2], cw[2];
+        block_weights(format, w, i, wq);
+        block_scales(format, head, b, i, sw, cw);
         for (int j = 0; j < QK; ++j) {
-          const int h = halves(format) ? j / 16 : 0;
-          uint32_t word;
-          std::memcpy(&word, w + value_chunk(format, j) * 64 + i * 4, 4);
-          const float q = static_cast<float>((word >> value_shift(format, j)) & mask);
-          volatile float product = q * record_scale(format, rec, h, i);
-          y[t * K + b * QK + j] = product + record_scale(format, rec, scale_sets(format) / 2 + h, i);
+          volatile float product = static_cast<float>(wq[j]) * sw[j / 16];
+          y[t * K + b * QK + j] = product + cw[j / 16];
         }
       }
     }
@@ -841,7 +1079,7 @@ at::Tensor grouped_block_linear(const at::Tensor& x, const std::vector<int64_t>&
         sub.sx_lo = a.sx_lo + it.row * nb;
         sub.sx_hi = a.sx_hi + it.row * nb;
         sub.y = yp + it.row * N;
-        with_layout(format, [&](auto F) { run_group<decltype(F)::value>(isa, sub, it.group, it.rows); });
+        run_item(isa, sub, it.group, it.rows);
       }
     });
     return y;

@@ -186,7 +186,7 @@ def attach_gguf_weights(model: nn.Module, folder: Path, world_size: int, *, int8
 
 def _quantized(pieces: list, types: set[str], n: int, *, int8: bool, max_rows: int) -> QuantizedWeight:
     """One layer's blocks: its pieces' records (in the layer's row order) stacked and packed."""
-    records = gguf_blocks.Records(*(np.concatenate(parts) for parts in zip(*((r.sw, r.cw, r.wq) for r in pieces))))
+    records = gguf_blocks.Records.concat(pieces)
     fmt = gguf_blocks.layout(types, records)
     return QuantizedWeight(gguf_blocks.pack(records, fmt), fmt, n, int8, max_rows)
 
@@ -253,7 +253,7 @@ def _expert_records(tensors: dict, names: list[str], dense: torch.Tensor) -> lis
             first += len(blocks[e])
         if first != dense.shape[1]:
             return None
-        out.append(gguf_blocks.Records(*(np.concatenate(p) for p in zip(*((r.sw, r.cw, r.wq) for r in pieces)))))
+        out.append(gguf_blocks.Records.concat(pieces))
     return out
 
 
