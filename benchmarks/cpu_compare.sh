@@ -27,7 +27,10 @@
 # sluice-launcher (e.g. "--dtype bfloat16"); LABEL names that run; SKIP_SLUICE=1
 # runs the peers only. VLLM_DTYPE (default bfloat16) is vLLM's --dtype, and
 # VLLM_PRELOAD goes into its LD_PRELOAD (vLLM's CPU guide preloads tcmalloc
-# and Intel OpenMP); VLLM_LABEL names its files (default vllm).
+# and Intel OpenMP); VLLM_LABEL names its files (default vllm). With MODEL,
+# vLLM needs VLLM_MODEL, a dense folder of the same weights
+# (benchmarks/dense_folder.py writes one): the converted folder leaves the
+# block-served matrices in the .gguf, which vLLM would not load.
 # Run it on a quiet machine: nothing else should be using the cores.
 set -euo pipefail
 
@@ -105,13 +108,15 @@ if [[ -n ${LLAMA_SERVER:-} ]]; then
         --host 127.0.0.1 --port 8091 --parallel 32 --ctx-size 49152 -t "$threads"
 fi
 
-if [[ -n ${VLLM_PYTHON:-} ]]; then
+if [[ -n ${VLLM_PYTHON:-} && -n ${MODEL:-} && -z ${VLLM_MODEL:-} ]]; then
+    echo "vLLM needs VLLM_MODEL with MODEL (benchmarks/dense_folder.py writes it); left out" >&2
+elif [[ -n ${VLLM_PYTHON:-} ]]; then
     # vLLM keeps one core for its front end by default; give its model every
     # core, as the others get.
     LD_PRELOAD=${VLLM_PRELOAD:-} VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4} \
         VLLM_CPU_OMP_THREADS_BIND=0-$((threads - 1)) VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
         run "${VLLM_LABEL:-vllm}" 8092 "$VLLM_PYTHON" -m vllm.entrypoints.openai.api_server \
-        --model "$folder" --served-model-name smollm2 --dtype "${VLLM_DTYPE:-bfloat16}" --port 8092 --host 127.0.0.1 \
+        --model "${VLLM_MODEL:-$folder}" --served-model-name smollm2 --dtype "${VLLM_DTYPE:-bfloat16}" --port 8092 --host 127.0.0.1 \
         --max-model-len 2048
 fi
 
