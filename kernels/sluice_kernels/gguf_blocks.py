@@ -282,6 +282,10 @@ class QuantizedWeight:
         linear = torch.ops.sluice_cpu.q8_linear if self.int8 else torch.ops.sluice_cpu.exact_linear
         return linear(x, self.data, self.format, self.out_features)
 
+    def pieces(self) -> list["QuantizedWeight"]:
+        """The packed weights whose outputs make this layer's, in order."""
+        return [self]
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` [T] (int64) of the weight, float32 [T, K], for an
         embedding lookup on the blocks: the C++ kernel (csrc/cpu_q8_linear.cpp
@@ -371,3 +375,38 @@ def _k_rows(data: np.ndarray, layout_code: int, n: int, ids: np.ndarray) -> np.n
         wq = (nibbles(blocks[..., :256]) | (high.reshape(t, supers, 8, 32) << 4)).astype(np.float32)
         wq = wq.reshape(t, supers, 8, 2, 16)
     return (wq * sw + cw).reshape(t, -1).astype(np.float32)
+
+
+@dataclass
+class QuantizedParts:
+    """A layer whose pieces are of different block types (Q4_K_M's q and k
+    in Q4_K beside v in Q6_K), each run of one type in its own layout, so
+    each keeps its compact records instead of all taking the one layout that
+    holds every type (8-bit weights with a float32 pair per 16: 1.5 bytes a
+    weight). The outputs of the parts follow each other."""
+
+    parts: list[QuantizedWeight]
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.out_features for p in self.parts)
+
+    @property
+    def int8(self) -> bool:
+        return self.parts[0].int8
+
+    @property
+    def max_rows(self) -> int:
+        return self.parts[0].max_rows
+
+    def handles(self, x: torch.Tensor) -> bool:
+        return self.parts[0].handles(x)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [p.data for p in self.parts]
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p.linear(x) for p in self.parts], dim=1)
+
+    def pieces(self) -> list[QuantizedWeight]:
+        return list(self.parts)

@@ -205,3 +205,31 @@ def test_a_folder_whose_gguf_is_gone_says_so(tmp_path):
     gguf.unlink()
     with pytest.raises(FileNotFoundError, match="tiny-llama.gguf, which is gone"):
         ModelRunner(folder, dtype="auto")
+
+
+@pytest.mark.parametrize("int8", [True, False], ids=["int8", "exact"])
+def test_a_layer_of_mixed_k_quants_keeps_each_type_compact(kernels, int8):
+    """Q4_K_M's attention: q and k in Q4_K, v in Q6_K. Each run of one type
+    is its own part in its own compact layout (gguf_blocks.QuantizedParts),
+    not all of them 8-bit with a float32 pair per 16 weights; each output is
+    the same bits its type's layer alone gives (int8: Q4_K's rows summed per
+    32 values now, as a Q4_K layer's are, not per 16)."""
+    from sluice_kernels import gguf_blocks
+    from sluice_server.layers.gguf_weights import _quantized
+
+    rng, k = np.random.default_rng(5), 512
+    types = ["Q4_K", "Q4_K", "Q6_K"]
+    pieces = [gguf_blocks.unpack(t, RANDOM_BLOCKS(n, k, t, rng), k) for t, n in zip(types, (48, 16, 16))]
+    layer = _quantized(pieces, types, 80, int8=int8, max_rows=64)
+    assert isinstance(layer, gguf_blocks.QuantizedParts)
+    assert [p.format for p in layer.parts] == [gguf_blocks.U4_K, gguf_blocks.U6_K]
+    assert [p.out_features for p in layer.parts] == [64, 16] and layer.out_features == 80
+    def alone(records, fmt):
+        return gguf_blocks.QuantizedWeight(gguf_blocks.pack(records, fmt), fmt, len(records.wq), int8, 64)
+
+    one = alone(gguf_blocks.Records.concat(pieces), gguf_blocks.U8_HALVES)  # the layout holding every type
+    assert sum(t.numel() for t in layer.tensors()) < 0.5 * one.data.numel()
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(1))
+    q4 = alone(gguf_blocks.Records.concat(pieces[:2]), gguf_blocks.U4_F32)
+    assert torch.equal(layer.linear(x), torch.cat([q4.linear(x), alone(pieces[2], gguf_blocks.U8_HALVES).linear(x)], 1))
+    torch.testing.assert_close(layer.linear(x), one.linear(x), rtol=1e-5, atol=1e-5)

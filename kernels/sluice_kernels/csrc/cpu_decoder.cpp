@@ -39,15 +39,25 @@
 namespace {
 
 struct BlockLinear {
-  at::Tensor data;  // the blocks in q8_pack's record layout
-  int64_t format = 0;
+  // The blocks in q8_pack's record layouts: one packed weight, or several
+  // whose outputs follow each other (a layer whose pieces have different
+  // block types, each in its own layout: gguf_blocks.QuantizedParts).
+  std::vector<at::Tensor> data;
+  std::vector<int64_t> formats, outs;
   int64_t out_features = 0;
   bool int8 = false;
   std::optional<at::Tensor> bias;
 
+  at::Tensor part(const at::Tensor& x, size_t i) const {
+    return int8 ? sluice_cpu::q8_linear(x, data[i], formats[i], outs[i], 0)
+                : sluice_cpu::exact_linear(x, data[i], formats[i], outs[i], 0);
+  }
+
   at::Tensor matmul(const at::Tensor& x) const {
-    return int8 ? sluice_cpu::q8_linear(x, data, format, out_features, 0)
-                : sluice_cpu::exact_linear(x, data, format, out_features, 0);
+    if (data.size() == 1) return part(x, 0);
+    std::vector<at::Tensor> ys;
+    for (size_t i = 0; i < data.size(); ++i) ys.push_back(part(x, i));
+    return at::cat(ys, 1);
   }
 
   at::Tensor operator()(const at::Tensor& x) const {
@@ -127,15 +137,29 @@ class LlamaDecoder : public torch::CustomClassHolder {
       : hq_(num_heads), hkv_(num_kv_heads), d_(head_dim), eps_(eps), final_norm_(std::move(final_norm)) {}
 
   // Linear layers as (data, format, out_features, int8, bias?), in the order
-  // qkv, o, gate_up, down.
+  // qkv, o, gate_up, down; parts[i] (data, format, out_features) entries
+  // in turn are linear layer i's packed pieces, their outputs in order.
   void add_layer(at::Tensor input_norm, at::Tensor post_attention_norm, std::vector<at::Tensor> data,
                  std::vector<int64_t> formats, std::vector<int64_t> out_features, bool int8,
-                 std::vector<std::optional<at::Tensor>> biases) {
-    TORCH_CHECK(data.size() == 4 && formats.size() == 4 && out_features.size() == 4 && biases.size() == 4,
-                "a layer has four linear layers: qkv, o, gate_up, down");
+                 std::vector<std::optional<at::Tensor>> biases, std::vector<int64_t> parts) {
+    TORCH_CHECK(parts.size() == 4 && biases.size() == 4, "a layer has four linear layers: qkv, o, gate_up, down");
+    const int64_t total = parts[0] + parts[1] + parts[2] + parts[3];
+    TORCH_CHECK(total >= 4 && static_cast<int64_t>(data.size()) == total &&
+                    static_cast<int64_t>(formats.size()) == total && static_cast<int64_t>(out_features.size()) == total,
+                "one (data, format, out_features) per part of the four linear layers");
     BlockLinear l[4];
-    for (int i = 0; i < 4; ++i) l[i] = BlockLinear{data[i], formats[i], out_features[i], int8, biases[i]};
-    TORCH_CHECK(out_features[0] == (hq_ + 2 * hkv_) * d_, "qkv has ", out_features[0], " outputs, not ",
+    for (int i = 0, at = 0; i < 4; at += parts[i], ++i) {
+      TORCH_CHECK(parts[i] >= 1, "linear layer ", i, " has no parts");
+      l[i].int8 = int8;
+      l[i].bias = biases[i];
+      for (int64_t j = at; j < at + parts[i]; ++j) {
+        l[i].data.push_back(data[j]);
+        l[i].formats.push_back(formats[j]);
+        l[i].outs.push_back(out_features[j]);
+        l[i].out_features += out_features[j];
+      }
+    }
+    TORCH_CHECK(l[0].out_features == (hq_ + 2 * hkv_) * d_, "qkv has ", l[0].out_features, " outputs, not ",
                 (hq_ + 2 * hkv_) * d_);
     layers_.push_back(Layer{std::move(input_norm), std::move(post_attention_norm), l[0], l[1], l[2], l[3]});
   }

@@ -175,7 +175,8 @@ def attach_gguf_weights(model: nn.Module, folder: Path, world_size: int, *, int8
         if first != n or len(pieces) != len(names):
             log.warning("GGUF blocks of %s do not match the loaded weight; using float32 only", names[0])
             continue
-        module.quantized = _quantized(pieces, types, n, int8=int8, max_rows=max_rows)
+        module.quantized = _quantized(pieces, [tensors[name].tensor_type.name for name in names], n, int8=int8,
+                                      max_rows=max_rows)
         attached += module is not model.model.embed_tokens
     _share_tied_blocks(model)
     for i, layer in enumerate(model.model.layers):
@@ -184,11 +185,23 @@ def attach_gguf_weights(model: nn.Module, folder: Path, world_size: int, *, int8
     return attached
 
 
-def _quantized(pieces: list, types: set[str], n: int, *, int8: bool, max_rows: int) -> QuantizedWeight:
-    """One layer's blocks: its pieces' records (in the layer's row order) stacked and packed."""
-    records = gguf_blocks.Records.concat(pieces)
-    fmt = gguf_blocks.layout(types, records)
-    return QuantizedWeight(gguf_blocks.pack(records, fmt), fmt, n, int8, max_rows)
+def _quantized(pieces: list, types: list[str], n: int, *, int8: bool, max_rows: int):
+    """One layer's blocks: its pieces' records (in the layer's row order)
+    stacked and packed, each run of pieces of one type as its own part where
+    the types differ (gguf_blocks.QuantizedParts)."""
+    runs: list[tuple[str, list]] = []
+    for kind, records in zip(types, pieces):
+        if runs and runs[-1][0] == kind:
+            runs[-1][1].append(records)
+        else:
+            runs.append((kind, [records]))
+    parts = []
+    for kind, group in runs:
+        records = gguf_blocks.Records.concat(group)
+        fmt = gguf_blocks.layout({kind}, records)
+        parts.append(QuantizedWeight(gguf_blocks.pack(records, fmt), fmt, len(records.wq), int8, max_rows))
+    assert sum(p.out_features for p in parts) == n
+    return parts[0] if len(parts) == 1 else gguf_blocks.QuantizedParts(parts)
 
 
 def _share_tied_blocks(model: nn.Module) -> None:
@@ -219,7 +232,7 @@ def attach_gguf_blocks(model: nn.Module, tensors: GGUFTensors, world_size: int, 
             pieces.append(records if order is None else records.take(order))
         if sum(len(r.wq) for r in pieces) != n:
             raise ValueError(f"GGUF tensors {names} have {sum(t.shape[0] for t in wanted)} rows; the layer has {n}")
-        module.quantized = _quantized(pieces, {t.type_name for t in wanted}, n, int8=int8, max_rows=max_rows)
+        module.quantized = _quantized(pieces, [t.type_name for t in wanted], n, int8=int8, max_rows=max_rows)
         attached += module is not model.model.embed_tokens
     _share_tied_blocks(model)
     return attached

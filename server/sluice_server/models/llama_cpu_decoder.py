@@ -142,11 +142,12 @@ def build_llama_cpu_decoder(model) -> LlamaCpuDecoder | None:
         engine.add_layer(
             layer.input_layernorm.weight,
             layer.post_attention_layernorm.weight,
-            [m.quantized.data for m in group],
-            [m.quantized.format for m in group],
-            [m.quantized.out_features for m in group],
+            [p.data for m in group for p in m.quantized.pieces()],
+            [p.format for m in group for p in m.quantized.pieces()],
+            [p.out_features for m in group for p in m.quantized.pieces()],
             quantized[0].int8,
             [m.bias for m in group],
+            [len(m.quantized.pieces()) for m in group],
         )
     max_rows = min(q.max_rows for q in quantized)
     sizes = "every decode step runs" if max_rows >= ALL_ROWS else f"decode steps of <= {max_rows} sequences run"
