@@ -84,6 +84,41 @@ def memory_bandwidth(mib: int = 512, repeats: int = 5) -> float:
     return 2 * src.nbytes / best / 1e9
 
 
+def int8_dot_peak() -> float:
+    """The host's int8 dot-product rate in GOP/s (multiply and add of each
+    u8 x s8 pair; the instruction the block matmuls are made of: VPDPBUSD, or
+    AVX2's widening sequence), all threads, nothing loaded from memory; best
+    of 3. 0 where the kernels did not load."""
+    from sluice_kernels import cpu_kernels
+
+    if not cpu_kernels.load():
+        return 0.0
+    torch.ops.sluice_cpu.q8_dot_peak(100_000)
+    return max(torch.ops.sluice_cpu.q8_dot_peak(2_000_000) for _ in range(3)) / 1e9
+
+
+def block_matmul_rate(runner: ModelRunner, rows: int, repeats: int = 5) -> tuple[str, float] | None:
+    """GOP/s of the largest block-served linear layer of the model's first
+    decoder layer (a prefill's bulk; the LM head sees one row a sequence) on
+    `rows` rows, as a prefill runs it (int8 activations), best of `repeats`;
+    None where no such layer has int8 blocks for that many rows."""
+    layers = [m for m in runner.model.model.layers[0].modules() if getattr(m, "quantized", None) is not None
+              and hasattr(m, "pack_for_cpu_") and m.quantized.int8 and rows <= m.quantized.max_rows]
+    if not layers:
+        return None
+    layer = max(layers, key=lambda m: m.quantized.out_features)
+    in_features = (layer.weight.shape if layer.weight.numel() else layer.dense_shape)[1]
+    x = torch.randn(rows, in_features)
+    layer.quantized.linear(x)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        layer.quantized.linear(x)
+        best = min(best, time.perf_counter() - t)
+    name = next(n for n, m in runner.model.named_modules() if m is layer)
+    return name, 2 * rows * layer.quantized.out_features * in_features / best / 1e9
+
+
 def weight_bytes(runner: ModelRunner, rows: int) -> int:
     """Bytes of linear weights a step of `rows` rows reads: each layer's GGUF
     blocks where they serve that many rows, else its dense weight. Expert
@@ -96,7 +131,7 @@ def weight_bytes(runner: ModelRunner, rows: int) -> int:
         if isinstance(module, FusedMoE) or not hasattr(module, "pack_for_cpu_"):
             continue
         if quantized is not None and rows <= quantized.max_rows:
-            total += quantized.data.nbytes
+            total += sum(t.nbytes for t in quantized.tensors())
         elif getattr(module, "packed", None) is not None:
             out_features, in_features = module.weight.shape if module.weight.numel() else module.dense_shape
             total += out_features * in_features * module.packed.element_size()
@@ -220,6 +255,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--max-prefill", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prefill-rows", type=int, default=512,
+                        help="rows of the prefill-sized block matmul timed after each path's steps")
     parser.add_argument("--block-rows", default=None,
                         help="e.g. 16,64: instead of the table, each path's step time with GGUF blocks for at "
                              "most that many rows (dense above), the limits alternating step by step")
@@ -231,8 +268,10 @@ def main() -> None:
     dense = {dtype: dense_matmul_rate(dtype) for dtype in (torch.float32, torch.bfloat16)}
     print(f"model {folder.name}, {torch.get_num_threads()} threads, prompt {args.prompt_len} tokens, "
           f"{args.steps} timed decode steps")
+    peak = int8_dot_peak()
     print(f"host limits: memory bandwidth {bandwidth:.1f} GB/s (copy); dense matmul "
-          f"float32 {dense[torch.float32]:.0f} GFLOP/s, bfloat16 {dense[torch.bfloat16]:.0f} GFLOP/s")
+          f"float32 {dense[torch.float32]:.0f} GFLOP/s, bfloat16 {dense[torch.bfloat16]:.0f} GFLOP/s; "
+          f"int8 dot products {peak:.0f} GOP/s")
     if not args.block_rows:
         header = (f"{'path':<9} {'batch':>5} {'step ms':>8} {'tok/s':>7} {'prep ms':>7} {'fwd ms':>7} {'samp ms':>7}"
                   f" {'GFLOP/s':>8} {'of dense':>8} {'GB/s':>6} {'of bw':>6}")
@@ -248,6 +287,10 @@ def main() -> None:
             print_block_rows(shard, path, args)
         else:
             print_rows(shard, path, args, per_token, dense, bandwidth)
+        rate = block_matmul_rate(runner, args.prefill_rows) if peak else None
+        if rate is not None:
+            print(f"{path}: {rate[0]} on {args.prefill_rows} rows (a prefill's matmul): {rate[1]:.0f} GOP/s, "
+                  f"{rate[1] / peak:.0%} of the int8 dot-product rate")
         del shard, runner
         gc.unfreeze()
         gc.collect()

@@ -30,6 +30,8 @@ decision (the shard's `--cpu-kernels`); this module reads no setting.
         has (`isa_path()` names it)
     block_rows(packed, format, out_features, ids): rows of such a weight,
         expanded to float32 (an embedding lookup on the blocks, cpu_q8_linear.cpp)
+    q8_dot_peak(iterations): the host's int8 dot-product rate (op/s, all
+        threads) the block matmuls are made of, for benchmarks/step_bench.py
     moe_block_mlp(x, ids, weights, w13, format13, w2, format2, intermediate, b13, b2,
         activation, alpha, limit, int8): a mixture-of-experts layer's expert MLP
         on every expert's blocks, tokens grouped by expert (cpu_moe.cpp, over
@@ -68,7 +70,7 @@ HEADERS = [CSRC / "sluice_cpu.h"]
 OPS = (
     "paged_decode_attention", "rms_norm", "rotary_", "silu_mul", "argmax_rows",
     "q8_pack", "q8_linear", "exact_linear", "q8_quantize", "q8_isas", "block_rows", "moe_block_mlp", "lora_apply_",
-    "lora_bf16_products",
+    "lora_bf16_products", "q8_dot_peak",
 )
 _lock = threading.Lock()
 # "ok": the outcome of the first load(); "reason": why the kernels are off;

@@ -279,3 +279,13 @@ def test_pack_and_linear_reject_mismatched_shapes():
             linear(randn(1, 48), packed, 0, 4)
     with pytest.raises(RuntimeError, match="format must be"):
         torch.ops.sluice_cpu.q8_linear(randn(1, 64), packed, 7, 4)
+
+
+def test_the_dot_product_rate_is_measured_on_this_host():
+    """benchmarks/step_bench.py's int8 limit: a rate on any host with a SIMD
+    kernel, and a clear refusal of a count that measures nothing."""
+    rate = torch.ops.sluice_cpu.q8_dot_peak(10_000)
+    simd = set(cpu_kernels.host_isas()) - {1}  # 1: the portable kernel, which has no such loop
+    assert (rate > 1e9) if simd else rate == 0.0
+    with pytest.raises(RuntimeError, match="iterations must be positive"):
+        torch.ops.sluice_cpu.q8_dot_peak(0)

@@ -72,6 +72,7 @@
 #include "sluice_cpu.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -1110,6 +1111,65 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> q8_quantize(const at::Tensor& x) 
   return {q.xq, q.dx, q.sx};
 }
 
+// The host's rate of the int8 dot products the kernels are made of, for
+// benchmarks (step_bench.py's host limits): every thread runs `iterations`
+// rounds of 12 independent multiply-accumulates of u8 x s8 pairs into int32
+// lanes (VPDPBUSD on 512 bits; on AVX2, the widening PMADDWD sequence of
+// dot_u8s8), with nothing loaded from memory. Returns int8 operations (a
+// multiply and an add per pair) per second over all threads.
+#ifdef SLUICE_X86
+// 12 accumulators named one by one (an array would live on the stack),
+// each round kept by an empty asm that takes them all (no closed form).
+#define SLUICE_DOT_ROUNDS(T, C, SET1, DOT, ADD)                                                              \
+  T a0 = SET1(0), a1 = SET1(1), a2 = SET1(2), a3 = SET1(3), a4 = SET1(4), a5 = SET1(5), a6 = SET1(6),         \
+    a7 = SET1(7), a8 = SET1(8), a9 = SET1(9), a10 = SET1(10), a11 = SET1(11);                                 \
+  for (int64_t i = 0; i < iterations; ++i) {                                                                 \
+    a0 = DOT(a0), a1 = DOT(a1), a2 = DOT(a2), a3 = DOT(a3), a4 = DOT(a4), a5 = DOT(a5);                       \
+    a6 = DOT(a6), a7 = DOT(a7), a8 = DOT(a8), a9 = DOT(a9), a10 = DOT(a10), a11 = DOT(a11);                   \
+    __asm__ volatile("" : "+" C(a0), "+" C(a1), "+" C(a2), "+" C(a3), "+" C(a4), "+" C(a5), "+" C(a6),        \
+                     "+" C(a7), "+" C(a8), "+" C(a9), "+" C(a10), "+" C(a11));                                \
+  }                                                                                                          \
+  T sum = ADD(ADD(ADD(a0, a1), ADD(a2, a3)), ADD(ADD(a4, a5), ADD(a6, a7)));                                  \
+  sum = ADD(sum, ADD(ADD(a8, a9), ADD(a10, a11)));                                                           \
+  __asm__ volatile("" : : C(sum));
+
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) int64_t dot_rounds_avx512(int64_t iterations) {
+  const __m512i w = _mm512_set1_epi8(3), x = _mm512_set1_epi8(-1);
+#define SLUICE_DOT512(a) _mm512_dpbusd_epi32(a, w, x)
+  SLUICE_DOT_ROUNDS(__m512i, "v", _mm512_set1_epi32, SLUICE_DOT512, _mm512_add_epi32)
+#undef SLUICE_DOT512
+  return 12 * 64 * 2;  // int8 operations per round
+}
+
+__attribute__((target("avx2"))) int64_t dot_rounds_avx2(int64_t iterations) {
+  const __m256i w = _mm256_set1_epi8(3), x = _mm256_set1_epi8(-1);
+#define SLUICE_DOT256(a) dot_u8s8<false>(a, w, x)
+  SLUICE_DOT_ROUNDS(__m256i, "x", _mm256_set1_epi32, SLUICE_DOT256, _mm256_add_epi32)
+#undef SLUICE_DOT256
+  return 12 * 32 * 2;
+}
+#undef SLUICE_DOT_ROUNDS
+#endif
+
+double q8_dot_peak(int64_t iterations) {
+  TORCH_CHECK(iterations > 0, "iterations must be positive");
+  const int64_t threads = at::get_num_threads();
+  std::vector<int64_t> per_round(threads, 0);
+  const auto start = std::chrono::steady_clock::now();
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+#ifdef SLUICE_X86
+      if (host_has(ISA_AVX512_VNNI)) per_round[t] = dot_rounds_avx512(iterations);
+      else if (host_has(ISA_AVX2)) per_round[t] = dot_rounds_avx2(iterations);
+#endif
+    }
+  });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  double ops = 0;
+  for (int64_t r : per_round) ops += static_cast<double>(r) * static_cast<double>(iterations);
+  return ops / seconds;
+}
+
 // Which kernels this host runs: isa codes, best first.
 std::vector<int64_t> q8_isas() {
   std::vector<int64_t> out;
@@ -1127,6 +1187,7 @@ TORCH_LIBRARY_FRAGMENT(sluice_cpu, m) {
   m.def("q8_quantize(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("block_rows(Tensor packed, int format, int out_features, Tensor ids) -> Tensor");
   m.def("q8_isas() -> int[]");
+  m.def("q8_dot_peak(int iterations) -> float");
 }
 
 TORCH_LIBRARY_IMPL(sluice_cpu, CPU, m) {
@@ -1139,4 +1200,5 @@ TORCH_LIBRARY_IMPL(sluice_cpu, CPU, m) {
 
 TORCH_LIBRARY_IMPL(sluice_cpu, CatchAll, m) {
   m.impl("q8_isas", &q8_isas);
+  m.impl("q8_dot_peak", &q8_dot_peak);
 }
