@@ -1120,7 +1120,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> q8_quantize(const at::Tensor& x) 
 #ifdef SLUICE_X86
 // 12 accumulators named one by one (an array would live on the stack),
 // each round kept by an empty asm that takes them all (no closed form).
-#define SLUICE_DOT_ROUNDS(T, C, SET1, DOT, ADD)                                                              \
+#define DOT_ROUNDS(T, C, SET1, DOT, ADD)                                                              \
   T a0 = SET1(0), a1 = SET1(1), a2 = SET1(2), a3 = SET1(3), a4 = SET1(4), a5 = SET1(5), a6 = SET1(6),         \
     a7 = SET1(7), a8 = SET1(8), a9 = SET1(9), a10 = SET1(10), a11 = SET1(11);                                 \
   for (int64_t i = 0; i < iterations; ++i) {                                                                 \
@@ -1135,20 +1135,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> q8_quantize(const at::Tensor& x) 
 
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) int64_t dot_rounds_avx512(int64_t iterations) {
   const __m512i w = _mm512_set1_epi8(3), x = _mm512_set1_epi8(-1);
-#define SLUICE_DOT512(a) _mm512_dpbusd_epi32(a, w, x)
-  SLUICE_DOT_ROUNDS(__m512i, "v", _mm512_set1_epi32, SLUICE_DOT512, _mm512_add_epi32)
-#undef SLUICE_DOT512
+#define DOT512(a) _mm512_dpbusd_epi32(a, w, x)
+  DOT_ROUNDS(__m512i, "v", _mm512_set1_epi32, DOT512, _mm512_add_epi32)
+#undef DOT512
   return 12 * 64 * 2;  // int8 operations per round
 }
 
 __attribute__((target("avx2"))) int64_t dot_rounds_avx2(int64_t iterations) {
   const __m256i w = _mm256_set1_epi8(3), x = _mm256_set1_epi8(-1);
-#define SLUICE_DOT256(a) dot_u8s8<false>(a, w, x)
-  SLUICE_DOT_ROUNDS(__m256i, "x", _mm256_set1_epi32, SLUICE_DOT256, _mm256_add_epi32)
-#undef SLUICE_DOT256
+#define DOT256(a) dot_u8s8<false>(a, w, x)
+  DOT_ROUNDS(__m256i, "x", _mm256_set1_epi32, DOT256, _mm256_add_epi32)
+#undef DOT256
   return 12 * 32 * 2;
 }
-#undef SLUICE_DOT_ROUNDS
+#undef DOT_ROUNDS
 #endif
 
 double q8_dot_peak(int64_t iterations) {
