@@ -336,7 +336,6 @@ class QuantizedWeight:
         return (wq * sw + cw).reshape(t, nb * QK)
 
 
-
 def _k_rows(data: np.ndarray, layout_code: int, n: int, ids: np.ndarray) -> np.ndarray:
     """Rows `ids` of a U4_K / U6_K packed weight of n rows (`_pack_k`),
     each weight wq * sw + cw rounded as `Records.expand` rounds it, read

@@ -107,11 +107,14 @@ constexpr int64_t scale_sets(int64_t l) { return l == U8_HALVES ? 4 : 2; }
 constexpr int64_t weight_bytes(int64_t l) {
   return six_bit(l) ? NG * QK / 2 + NG * QK / 4 : four_bit(l) ? NG * QK / 2 : NG * QK;
 }
+// Where the K-quant headers keep their fields (d first in both, 16 fp16):
+// U4_K's dmin, its 8 rows of 16 sc bytes and its 8 of m; U6_K's 16 rows of
+// int8 scales, one per run of 16 values.
+constexpr int64_t K4_DMIN = 2 * NG, K4_SC = 4 * NG, K4_M = K4_SC + 8 * NG, K4_END = K4_M + 8 * NG;
+constexpr int64_t K6_SC = 2 * NG, K6_END = K6_SC + 16 * NG;
 // Bytes before a record's weights; for super-block layouts, before its first block's.
 constexpr int64_t header_bytes(int64_t l) {
-  return l == U4_K ? 2 * NG * 2 + 2 * 8 * NG     // d, dmin fp16; 8 (sc, m) byte pairs
-         : l == U6_K ? NG * 2 + 16 * NG          // d fp16; 16 int8 scales
-                     : scale_sets(l) * NG * scale_bytes(l);
+  return l == U4_K ? K4_END : l == U6_K ? K6_END : scale_sets(l) * NG * scale_bytes(l);
 }
 constexpr int64_t record_bytes(int64_t l) { return header_bytes(l) + weight_bytes(l); }
 constexpr int64_t SUPER = 8;  // blocks of 32 per K-quant super-block
@@ -145,13 +148,13 @@ inline float fp16(const uint8_t* p) {
 inline void block_scales(int64_t layout, const uint8_t* head, int64_t b, int64_t i, float sw[2], float cw[2]) {
   const int64_t j = b % SUPER;
   if (layout == U4_K) {
-    sw[0] = sw[1] = fp16(head + 2 * i) * static_cast<float>(head[4 * NG + j * NG + i]);
-    cw[0] = cw[1] = -(fp16(head + 2 * NG + 2 * i) * static_cast<float>(head[4 * NG + 8 * NG + j * NG + i]));
+    sw[0] = sw[1] = fp16(head + 2 * i) * static_cast<float>(head[K4_SC + j * NG + i]);
+    cw[0] = cw[1] = -(fp16(head + K4_DMIN + 2 * i) * static_cast<float>(head[K4_M + j * NG + i]));
     return;
   }
   if (layout == U6_K) {
     for (int h = 0; h < 2; ++h) {
-      sw[h] = fp16(head + 2 * i) * static_cast<float>(static_cast<int8_t>(head[2 * NG + (2 * j + h) * NG + i]));
+      sw[h] = fp16(head + 2 * i) * static_cast<float>(static_cast<int8_t>(head[K6_SC + (2 * j + h) * NG + i]));
       cw[h] = -32.f * sw[h];
     }
     return;
@@ -331,7 +334,8 @@ struct Args {
   float* y;
   int64_t K, nb, N, format;
   // This group's records where they are not at packed + g * group_bytes
-  // (expanded_group's copy).
+  // (expand_group512's copy; only the AVX-512 kernel, which run_item gives
+  // it to, reads this).
   const uint8_t* records = nullptr;
 };
 
@@ -400,7 +404,7 @@ __attribute__((target("avx512f,f16c"))) inline __m512 half16(const uint8_t* p) {
 template <int64_t F>
 __attribute__((target("avx512f,f16c"))) inline void super512(const uint8_t* head, __m512 dd[2]) {
   dd[0] = half16(head);
-  if constexpr (F == U4_K) dd[1] = half16(head + 32);
+  if constexpr (F == U4_K) dd[1] = half16(head + K4_DMIN);
 }
 
 template <int64_t F>
@@ -409,14 +413,14 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline void scales512(
                                                                                  __m512 cw[2]) {
   const int64_t j = b % SUPER;
   if constexpr (F == U4_K) {
-    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head + 64 + 16 * j))));
-    const __m512 m = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head + 192 + 16 * j))));
+    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head + K4_SC + NG * j))));
+    const __m512 m = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head + K4_M + NG * j))));
     sw[0] = sw[1] = _mm512_mul_ps(dd[0], sc);
     const __m512i product = _mm512_castps_si512(_mm512_mul_ps(dd[1], m));
     cw[0] = cw[1] = _mm512_castsi512_ps(_mm512_xor_si512(product, _mm512_set1_epi32(INT32_MIN)));  // -(dmin * m)
   } else if constexpr (F == U6_K) {
     for (int h = 0; h < 2; ++h) {
-      const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(head + 32 + 16 * (2 * j + h)));
+      const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(head + K6_SC + NG * (2 * j + h)));
       sw[h] = _mm512_mul_ps(dd[0], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
       cw[h] = _mm512_mul_ps(sw[h], _mm512_set1_ps(-32.f));
     }
@@ -585,14 +589,14 @@ __attribute__((target("avx2,f16c"))) inline void scales256(const uint8_t* head, 
   auto bytes8 = [](const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); };
   for (int h = 0; h < 2; ++h) {
     if constexpr (F == U4_K) {
-      const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8(head + 64 + 16 * j + 8 * h)));
-      const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8(head + 192 + 16 * j + 8 * h)));
+      const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8(head + K4_SC + NG * j + 8 * h)));
+      const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8(head + K4_M + NG * j + 8 * h)));
       sw[0][h] = sw[1][h] = _mm256_mul_ps(half8(head + 16 * h), sc);
-      cw[0][h] = cw[1][h] = _mm256_xor_ps(_mm256_mul_ps(half8(head + 32 + 16 * h), m), _mm256_set1_ps(-0.f));
+      cw[0][h] = cw[1][h] = _mm256_xor_ps(_mm256_mul_ps(half8(head + K4_DMIN + 16 * h), m), _mm256_set1_ps(-0.f));
     } else if constexpr (F == U6_K) {
       const __m256 d = half8(head + 16 * h);
       for (int k = 0; k < 2; ++k) {
-        sw[k][h] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes8(head + 32 + 16 * (2 * j + k) + 8 * h))));
+        sw[k][h] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes8(head + K6_SC + NG * (2 * j + k) + 8 * h))));
         cw[k][h] = _mm256_mul_ps(sw[k][h], _mm256_set1_ps(-32.f));
       }
     } else if constexpr (halves(F)) {

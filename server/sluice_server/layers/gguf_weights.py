@@ -77,6 +77,7 @@ and the experts are most of the weights, so their dense copy is freed.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 from pathlib import Path
@@ -189,15 +190,9 @@ def _quantized(pieces: list, types: list[str], n: int, *, int8: bool, max_rows: 
     """One layer's blocks: its pieces' records (in the layer's row order)
     stacked and packed, each run of pieces of one type as its own part where
     the types differ (gguf_blocks.QuantizedParts)."""
-    runs: list[tuple[str, list]] = []
-    for kind, records in zip(types, pieces):
-        if runs and runs[-1][0] == kind:
-            runs[-1][1].append(records)
-        else:
-            runs.append((kind, [records]))
     parts = []
-    for kind, group in runs:
-        records = gguf_blocks.Records.concat(group)
+    for kind, run in itertools.groupby(zip(types, pieces), key=lambda piece: piece[0]):
+        records = gguf_blocks.Records.concat([r for _, r in run])
         fmt = gguf_blocks.layout({kind}, records)
         parts.append(QuantizedWeight(gguf_blocks.pack(records, fmt), fmt, len(records.wq), int8, max_rows))
     assert sum(p.out_features for p in parts) == n
