@@ -75,6 +75,10 @@ class Work:
     block_ids: list[int]
     # Proposed tokens after token_ids (speculative decoding; empty: none).
     draft: list[int] = field(default_factory=list)
+    # Multi-step decode: draw up to this many tokens in the Step, stopping
+    # after any of `stop_token_ids` (the proto's ScheduledRequest).
+    decode_steps: int = 1
+    stop_token_ids: frozenset[int] = frozenset()
 
     @property
     def end(self) -> int:
@@ -205,9 +209,46 @@ def check_step(requests: dict[int, RequestState], step: shard_pb2.StepRequest, l
         draft = list(sched.draft_token_ids)
         if draft:
             _check_draft(state, sched.num_new_tokens == remaining, draft, limits)
-        _check_blocks(sched.id, block_ids, state.num_computed_tokens + sched.num_new_tokens + len(draft), limits)
-        checked.work.append(Work(state, state.num_computed_tokens, sched.num_new_tokens, block_ids, draft))
+        steps = max(sched.decode_steps, 1)
+        if steps > 1:
+            _check_decode_steps(state, sched, remaining, draft)
+        needed = state.num_computed_tokens + sched.num_new_tokens + len(draft) + steps - 1
+        _check_blocks(sched.id, block_ids, needed, limits)
+        checked.work.append(
+            Work(
+                state,
+                state.num_computed_tokens,
+                sched.num_new_tokens,
+                block_ids,
+                draft,
+                decode_steps=steps,
+                stop_token_ids=frozenset(sched.stop_token_ids),
+            )
+        )
     return checked
+
+
+# Most draws one Step may ask of a request (multi-step decode): bounds the
+# time a Step takes whatever a router sends.
+MAX_DECODE_STEPS = 64
+
+
+def _check_decode_steps(
+    state: RequestState, sched: shard_pb2.ScheduledRequest, remaining: int, draft: list[int]
+) -> None:
+    """Several draws in one Step: only for a plain decode, whose every draw
+    needs nothing but the token drawn before it."""
+    rid = state.id
+    if sched.decode_steps > MAX_DECODE_STEPS:
+        raise InvalidStep(f"request {rid}: decode_steps {sched.decode_steps} > {MAX_DECODE_STEPS}")
+    if sched.num_new_tokens != 1 or remaining != 1:
+        raise InvalidStep(f"request {rid}: decode_steps on a step that is not a decode")
+    if draft:
+        raise InvalidStep(f"request {rid}: decode_steps with draft tokens")
+    if state.grammar is not None:
+        raise InvalidStep(f"request {rid}: decode_steps for a constrained request")
+    if state.prompt_logprobs is not None:
+        raise InvalidStep(f"request {rid}: decode_steps before its prompt logprobs were sent")
 
 
 def _check_draft(state: RequestState, samples: bool, draft: list[int], limits: ShardLimits) -> None:

@@ -195,10 +195,46 @@ class Shard:
         output = self.runner.run_step(checked.work, constrained=bool(self.constrained) or arriving_constrained)
         t2 = time.perf_counter()
         self._commit(checked.new_states, output, response)
-        response.timings.prepare_ms = (t1 - t0 + output.prepare_s) * 1e3
-        response.timings.forward_ms = output.forward_s * 1e3
-        response.timings.sampling_ms = (output.sampling_s + time.perf_counter() - t2) * 1e3
+        timings = [output.prepare_s, output.forward_s, output.sampling_s + time.perf_counter() - t2]
+        if any(w.decode_steps > 1 for w in checked.work):
+            self._decode_more(checked.work, response, timings)
+        response.timings.prepare_ms = (t1 - t0 + timings[0]) * 1e3
+        response.timings.forward_ms = timings[1] * 1e3
+        response.timings.sampling_ms = timings[2] * 1e3
         return response
+
+    def _decode_more(self, work: list[Work], response: shard_pb2.StepResponse, timings: list[float]) -> None:
+        """Multi-step decode: requests that asked for N > 1 draws decode again
+        from the token just drawn, N draws in all, each request stopping
+        after one of its stop tokens (or an error, which drops it). Each
+        pass is an ordinary step of the requests still going; afterwards
+        every such request's table is cut to the blocks of its computed KV:
+
+            before: token_ids [0, L), table for L + N - 1 slots
+            after:  token_ids [0, L + n), num_computed_tokens = L + n - 1
+        """
+        more = [w for w in work if w.decode_steps > 1]
+        left = {w.state.id: w.decode_steps - 1 for w in more}
+        going = [w for w in more if self._decodes_on(w)]
+        while going:
+            step = [Work(w.state, w.state.num_computed_tokens, 1, w.state.block_ids) for w in going]
+            output = self.runner.run_step(step)
+            t0 = time.perf_counter()
+            self._commit([], output, response)
+            timings[0] += output.prepare_s
+            timings[1] += output.forward_s
+            timings[2] += output.sampling_s + time.perf_counter() - t0
+            for w in going:
+                left[w.state.id] -= 1
+            going = [w for w in going if left[w.state.id] > 0 and self._decodes_on(w)]
+        for w in more:
+            state = w.state
+            if state.id in self.requests:
+                state.block_ids = state.block_ids[: -(-state.num_computed_tokens // self.runner.block_size)]
+
+    def _decodes_on(self, w: Work) -> bool:
+        """The request is still held and its last draw was not a stop token."""
+        return w.state.id in self.requests and w.state.token_ids[-1] not in w.stop_token_ids
 
     def _attach_grammars(self, step: shard_pb2.StepRequest, checked: CheckedStep) -> bool:
         """Builds the matcher of each new constrained request; a failure

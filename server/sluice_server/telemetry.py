@@ -135,6 +135,8 @@ def record_step(span, response) -> None:
     span.set_attribute("sluice.step.forward_ms", timings.forward_ms)
     span.set_attribute("sluice.step.sampling_ms", timings.sampling_ms)
     span.set_attribute("sluice.step.errors", len(response.errors))
+    # Tokens drawn: one per sampling request, more with drafts or multi-step decode.
+    span.set_attribute("sluice.step.generated", len(response.generations))
 
 
 def current_trace_id() -> str | None:

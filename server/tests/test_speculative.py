@@ -22,99 +22,7 @@ from sluice_server.pb import shard_pb2
 from sluice_server.servicer import Shard
 
 from conftest import Driver
-
-BLOCK = 4
-
-
-@pytest.fixture(scope="module")
-def runner(tiny_model_dir) -> ModelRunner:
-    return ModelRunner(tiny_model_dir, block_size=BLOCK, dtype="float32")
-
-
-@pytest.fixture
-def shard(runner) -> Shard:
-    runner.allocate_kv_cache(512)
-    return Shard(runner, urls=[])
-
-
-class Requests:
-    """Runs requests through Shard.step the way the router does: blocks on
-    demand from a free list, drafts from `propose`, and after a step with
-    drafts the block table cut to the blocks that hold computed slots (the
-    blocks cut off go back to the free list, so rejected slots get reused)."""
-
-    def __init__(self, shard: Shard):
-        self.shard = shard
-        self.free = list(range(shard.runner.kv_cache.num_blocks))[::-1]
-        self.tokens: dict[int, list[int]] = {}
-        self.blocks: dict[int, list[int]] = {}
-        self.emitted: dict[int, list[shard_pb2.Generation]] = {}
-        self.drafted = 0
-        self.accepted = 0
-
-    def _grow(self, rid: int, slots: int) -> list[int]:
-        need = -(-slots // BLOCK) - len(self.blocks[rid])
-        new = [self.free.pop() for _ in range(need)]
-        self.blocks[rid].extend(new)
-        return new
-
-    def run(self, prompts: dict[int, list[int]], params: dict[int, shard_pb2.SamplingParams], n: int, propose):
-        """Generates n tokens for every request; propose(rid, tokens, step) -> draft."""
-        new = []
-        for rid, prompt in prompts.items():
-            self.tokens[rid], self.blocks[rid], self.emitted[rid] = list(prompt), [], []
-            self._grow(rid, len(prompt))
-            new.append(
-                shard_pb2.NewRequest(
-                    id=rid, token_ids=prompt, num_prompt_tokens=len(prompt), num_computed_tokens=0,
-                    num_new_tokens=len(prompt), block_ids=self.blocks[rid], params=params[rid],
-                )
-            )
-        self._apply(self.shard.step(shard_pb2.StepRequest(new_requests=new)), {})
-        step = 0
-        while any(len(self.emitted[rid]) < n for rid in prompts):
-            scheduled, drafts = [], {}
-            for rid in prompts:
-                left = n - len(self.emitted[rid])
-                if left <= 0:
-                    continue
-                draft = list(propose(rid, self.tokens[rid], step))[: left - 1]
-                drafts[rid] = draft
-                new_blocks = self._grow(rid, len(self.tokens[rid]) + len(draft))
-                scheduled.append(
-                    shard_pb2.ScheduledRequest(id=rid, num_new_tokens=1, new_block_ids=new_blocks, draft_token_ids=draft)
-                )
-            self._apply(self.shard.step(shard_pb2.StepRequest(scheduled=scheduled)), drafts)
-            step += 1
-        return {rid: [g.token_id for g in self.emitted[rid][:n]] for rid in prompts}
-
-    def _apply(self, response: shard_pb2.StepResponse, drafts: dict[int, list[int]]) -> None:
-        assert not response.errors, response.errors
-        by_id: dict[int, list[shard_pb2.Generation]] = {}
-        for g in response.generations:
-            by_id.setdefault(g.id, []).append(g)
-        for rid, gens in by_id.items():
-            draft = drafts.get(rid, [])
-            accepted = len(gens) - 1
-            assert 0 <= accepted <= len(draft)
-            assert [g.token_id for g in gens[:accepted]] == draft[:accepted]
-            self.drafted += len(draft)
-            self.accepted += accepted
-            self.tokens[rid].extend(g.token_id for g in gens)
-            self.emitted[rid].extend(gens)
-            if draft:
-                computed = len(self.tokens[rid]) - 1
-                keep = -(-computed // BLOCK)
-                self.free.extend(self.blocks[rid][keep:])
-                del self.blocks[rid][keep:]
-                state = self.shard.requests[rid]
-                assert state.num_computed_tokens == computed
-                assert state.block_ids == self.blocks[rid]
-                assert state.token_ids == self.tokens[rid]
-
-
-def no_drafts(rid, tokens, step):
-    return []
+from _router_steps import BLOCK, PROMPTS, Requests, no_drafts, runner, shard  # noqa: F401 (fixtures)
 
 
 def oracle(reference: dict[int, list[int]], prompts: dict[int, list[int]], k: int):
@@ -130,9 +38,6 @@ def oracle(reference: dict[int, list[int]], prompts: dict[int, list[int]], k: in
         return draft
 
     return propose
-
-
-PROMPTS = {1: [5, 9, 14, 3, 3, 7, 21], 2: [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], 3: [7, 7, 7]}
 
 
 @pytest.mark.parametrize(
