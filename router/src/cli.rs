@@ -200,6 +200,7 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
         batch_min_share: config.serving.batch_min_share,
         batch_step_slack: config.serving.batch_step_slack,
         hourly_cost: config.serving.hourly_cost,
+        decode_steps: config.serving.decode_steps,
     };
     // The recorder first: the scheduler describes its series when it starts.
     let metrics = crate::metrics::install();
@@ -281,6 +282,7 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
             speculation: speculation.as_ref().map(SpeculationInfo::new),
             batch_min_share: config.serving.batch_min_share,
             batch_step_slack: config.serving.batch_step_slack,
+            decode_steps: config.serving.decode_steps,
             reasoning_parser: reasoning_parser.map(|p| p.name().to_string()),
             lora: (shard_info.max_loras > 0).then_some(LoraInfo {
                 max_loras: shard_info.max_loras,

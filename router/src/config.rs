@@ -215,6 +215,15 @@ pub struct ServingFlags {
     #[arg(long, env = "SLUICE_SPECULATE_MAX_STEP_TOKENS", default_value_t = 16,
           value_parser = clap::value_parser!(u32).range(1..))]
     pub speculate_max_step_tokens: u32,
+    /// Multi-step decode: while every running request is decoding and none
+    /// waits, one Step asks the shard for up to this many tokens per
+    /// request, saving the round trip between them (fewer when the steps
+    /// would take over 100 ms together, so arrivals and streams wait at
+    /// most about that). Tokens then reach clients in bursts of up to this
+    /// many. 1: one token per Step.
+    #[arg(long, env = "SLUICE_DECODE_STEPS", default_value_t = 8,
+          value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub decode_steps: u32,
     /// Folder of the Batch API's database (uploaded files, batches, their
     /// results), created with mode 0700. One server per folder: a given
     /// folder in use is an error. Default: $XDG_DATA_HOME/sluice, else
@@ -373,6 +382,7 @@ impl ServingFlags {
             ("ngram-max", u64::from(self.ngram_max)),
             ("speculate-max-batch-size", u64::from(self.speculate_max_batch_size)),
             ("speculate-max-step-tokens", u64::from(self.speculate_max_step_tokens)),
+            ("decode-steps", u64::from(self.decode_steps)),
             ("batch-max-file-bytes", self.batch_max_file_bytes),
             ("batch-max-lines", u64::from(self.batch_max_lines)),
             ("responses-store-capacity", u64::from(self.responses_store_capacity)),

@@ -74,6 +74,9 @@ pub struct Info {
     /// How much batch lines may lengthen a step that interactive requests
     /// run in (`--batch-step-slack`).
     pub batch_step_slack: f64,
+    /// Most tokens one shard step draws per decoding request
+    /// (`--decode-steps`; 1: multi-step decode is off).
+    pub decode_steps: u32,
     /// How the model's thinking is split off (`--reasoning-parser`); null
     /// when it is not a reasoning model.
     pub reasoning_parser: Option<String>,

@@ -76,6 +76,9 @@ fn build_with_shard(setup: Setup) -> (Router, Arc<AppState>, FakeShardHandle) {
         batch_min_share: 0.1,
         batch_step_slack: 0.1,
         hourly_cost: setup.hourly_cost,
+        // Several tokens per step wherever a test's requests all decode:
+        // every HTTP path below streams bursts as the real server does.
+        decode_steps: 4,
     };
     let info = ShardInfo {
         max_loras: fake.max_loras,
@@ -146,6 +149,7 @@ fn build_with_shard(setup: Setup) -> (Router, Arc<AppState>, FakeShardHandle) {
             speculation: None,
             batch_min_share: 0.1,
             batch_step_slack: 0.1,
+            decode_steps: 4,
             reasoning_parser: setup.reasoning.map(|kind| kind.name().to_string()),
             lora: (max_loras > 0).then_some(super::LoraInfo {
                 max_loras,

@@ -121,7 +121,7 @@ impl Scheduler {
             }
             tracing::debug!(id, cached = r.num_computed_tokens, num_new_tokens, ?class, "admitted");
             *budget -= num_new_tokens;
-            plan.entries.push(Planned { id, num_new_tokens, is_new: true, first_new_block: 0, draft: Vec::new() });
+            plan.entries.push(Planned { id, num_new_tokens, is_new: true, first_new_block: 0, draft: Vec::new(), decode_steps: 1 });
             self.running.push(r);
             let latest = &mut latest_admitted[class as usize];
             *latest = (*latest).max(Some(id));

@@ -14,6 +14,9 @@
 //!  after    tokens [0, L+a+1)  computed L+a   blocks ceil((L+a) / bs)
 //! ```
 //!
+//! A multi-step decode (multistep.rs) emits 1..=decode_steps tokens the
+//! same way: each draw's input token got its KV, the last one's did not.
+//!
 //! Every block a step fills enters the prefix tree at once (a full block is
 //! never written again), so requests sharing a prefix with a running one
 //! reuse it without waiting for it to finish. A finished request's computed
@@ -28,7 +31,7 @@ use crate::client::ClientError;
 use crate::infer::{FinishReason, GeneratedToken, InferEvent, TokenCounts, TokenLogprob};
 use crate::pb;
 
-use super::step::StepPlan;
+use super::step::{Planned, StepPlan};
 use super::Scheduler;
 
 impl Scheduler {
@@ -119,7 +122,7 @@ impl Scheduler {
                 continue; // a prefill chunk
             }
             let emitted = generations.remove(&entry.id).unwrap_or_default();
-            if let Err(message) = check_emitted(&entry.draft, &emitted) {
+            if let Err(message) = check_emitted(&entry, &emitted) {
                 self.cache_filled(index, filled_before);
                 let r = self.running.remove(index);
                 r.send(Err(r.shard_failure(&message)));
@@ -150,9 +153,9 @@ impl Scheduler {
         }
     }
 
-    /// Streams the tokens a step emitted for a request (one, or accepted
-    /// drafts + one), stops it when it is done, and cuts its table to its
-    /// computed KV.
+    /// Streams the tokens a step emitted for a request (one, accepted
+    /// drafts + one, or several draws of a multi-step decode), stops it when
+    /// it is done, and cuts its table to its computed KV.
     fn on_tokens(&mut self, index: usize, emitted: Vec<pb::Generation>, filled_before: usize) {
         let mut done = false;
         for g in emitted {
@@ -162,7 +165,8 @@ impl Scheduler {
             }
         }
         let r = &mut self.running[index];
-        // Every emitted token but the last has its KV (it was a draft).
+        // Every emitted token but the last has its KV (a draft, or the
+        // input of the next draw).
         r.num_computed_tokens = r.tokens.len() - 1;
         let keep = r.num_computed_tokens.div_ceil(self.config.block_size as usize);
         r.blocks.truncate(keep);
@@ -211,11 +215,19 @@ impl Scheduler {
 }
 
 /// What a request's tokens from the shard must look like: at least one,
-/// and with a draft, its accepted prefix followed by one token.
-fn check_emitted(draft: &[u32], emitted: &[pb::Generation]) -> Result<(), String> {
+/// at most its multi-step draws, and with a draft, its accepted prefix
+/// followed by one token.
+fn check_emitted(entry: &Planned, emitted: &[pb::Generation]) -> Result<(), String> {
     if emitted.is_empty() {
         return Err("the shard returned no token".into());
     }
+    if entry.decode_steps > 1 {
+        if emitted.len() > entry.decode_steps {
+            return Err(format!("the shard returned {} tokens for {} decode steps", emitted.len(), entry.decode_steps));
+        }
+        return Ok(());
+    }
+    let draft = &entry.draft;
     let accepted = emitted.len() - 1;
     if accepted > draft.len() || emitted[..accepted].iter().zip(draft).any(|(g, &d)| g.token_id != d) {
         return Err(format!("the shard returned {} tokens that do not extend a draft of {}", emitted.len(), draft.len()));

@@ -97,7 +97,6 @@ impl StepCosts {
     }
 
     /// Predicted seconds of a step of `tokens` tokens; None before any step.
-    #[cfg(test)]
     pub(crate) fn predict(&self, tokens: usize) -> Option<f64> {
         predict_on(&self.curve(), tokens as f64)
     }

@@ -11,6 +11,8 @@
 //!                              │     blocks on demand (preemption.rs),   │
 //!                              │     drafts (drafts.rs, speculation.rs)  │
 //!                              │   3 admit waiting (admission.rs)        │
+//!                              │   4 all decoding, none waiting: several │
+//!                              │     draws per Step (multistep.rs)       │
 //!                              │   ──Step──► shard ──► apply (apply.rs)  │
 //!                              └──── InferEvent per request ─────────────┘
 //! ```
@@ -54,6 +56,7 @@ pub mod blocks;
 mod cost;
 mod drafts;
 mod kv;
+mod multistep;
 mod preemption;
 mod queue;
 pub mod radix;
@@ -117,6 +120,9 @@ pub struct SchedulerConfig {
     /// Dollars per hour (`--hourly-cost`): each step's cost is shared out
     /// to the adapters (and the base model) of its requests in /metrics.
     pub hourly_cost: Option<f64>,
+    /// Most tokens one Step may draw per decoding request (`--decode-steps`;
+    /// multistep.rs); 1: one.
+    pub decode_steps: u32,
 }
 
 /// How long one Step RPC may take. Past it the scheduler fails every request
@@ -242,8 +248,11 @@ async fn run<S: Shard>(
             scheduler.fail_all(&failure);
             return Err(failure);
         };
-        if result.is_ok() {
-            scheduler.costs.record(plan.tokens(), clock.elapsed());
+        if let Ok(response) = &result {
+            // A multi-step decode ran its passes one after another: each
+            // counts as a step of the plan's size.
+            let passes = plan.passes(response);
+            scheduler.costs.record(plan.tokens(), clock.elapsed() / passes);
         }
         scheduler.apply(plan, result, started);
         drop(step_span);

@@ -35,6 +35,9 @@ pub(crate) struct Planned {
     /// Proposed tokens after the request's last one (speculative decoding),
     /// computed after its `num_new_tokens`.
     pub draft: Vec<u32>,
+    /// Tokens the shard may draw for it in this Step, one after another
+    /// (multistep.rs); 1 for every entry that is not a plain decode.
+    pub decode_steps: usize,
 }
 
 impl Planned {
@@ -64,6 +67,19 @@ impl StepPlan {
         self.entries.iter().map(Planned::query_len).sum()
     }
 
+    /// Forward passes the shard ran for this plan: one, or with multi-step
+    /// decode the most tokens it drew for one request.
+    pub fn passes(&self, response: &pb::StepResponse) -> u32 {
+        if self.entries.iter().all(|e| e.decode_steps <= 1) {
+            return 1;
+        }
+        let mut drawn: std::collections::HashMap<u64, u32> = std::collections::HashMap::new();
+        for g in &response.generations {
+            *drawn.entry(g.id).or_default() += 1;
+        }
+        drawn.into_values().max().unwrap_or(1).max(1)
+    }
+
     pub fn remove(&mut self, id: u64) -> Option<Planned> {
         let index = self.entries.iter().position(|e| e.id == id)?;
         Some(self.entries.remove(index))
@@ -78,6 +94,7 @@ impl Scheduler {
         plan.batch_cap = self.batch_cap(budget);
         self.schedule_running(&mut plan, &mut budget);
         self.admit(&mut plan, &mut budget);
+        self.plan_decode_steps(&mut plan);
         if !plan.is_empty() {
             plan.finished_ids = std::mem::take(&mut self.finished);
         }
@@ -144,7 +161,7 @@ impl Scheduler {
                 Vec::new()
             };
             *budget -= draft.len();
-            plan.entries.push(Planned { id, num_new_tokens, is_new: false, first_new_block, draft });
+            plan.entries.push(Planned { id, num_new_tokens, is_new: false, first_new_block, draft, decode_steps: 1 });
         }
     }
 
@@ -157,11 +174,18 @@ impl Scheduler {
                 request.new_requests.push(r.to_new_request(entry.num_new_tokens, slot));
             } else {
                 let new_block_ids: Vec<BlockId> = r.blocks[entry.first_new_block..].to_vec();
+                let (decode_steps, stop_token_ids) = match entry.decode_steps {
+                    0 | 1 => (0, Vec::new()),
+                    n if r.request.ignore_eos => (n as u32, Vec::new()),
+                    n => (n as u32, self.config.eos_token_ids.clone()),
+                };
                 request.scheduled.push(pb::ScheduledRequest {
                     id: entry.id,
                     num_new_tokens: entry.num_new_tokens as u32,
                     new_block_ids,
                     draft_token_ids: entry.draft.clone(),
+                    decode_steps,
+                    stop_token_ids,
                 });
             }
         }

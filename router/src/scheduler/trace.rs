@@ -38,6 +38,8 @@ impl Scheduler {
             sluice.step.new_tokens = plan.tokens(),
             sluice.step.prefill_tokens = prefill_tokens,
             sluice.step.finished = plan.finished_ids.len(),
+            // As i64: the exporter writes unsigned integers as strings.
+            sluice.step.decode_steps = plan.entries.iter().map(|e| e.decode_steps).max().unwrap_or(1) as i64,
         );
         let mut links = Vec::new();
         for (r, num_new_tokens) in &requests {

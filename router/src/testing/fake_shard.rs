@@ -33,6 +33,10 @@
 //! holds another adapter, is caught. Changing a slot that a live request
 //! uses, or naming an empty slot, is a violation.
 //!
+//! Multi-step decode (`decode_steps`) draws one token after another in one
+//! step, writing each draw's input slot, and stops after a stop token; the
+//! table is then cut to the computed slots, as after drafts.
+//!
 //! Drafts (speculative decoding) are verified as a real shard does: each
 //! draft slot gets the KV of the draft's own prefix (also the rejected ones,
 //! whose slots then hold KV of a sequence that did not happen: reading one
@@ -277,6 +281,9 @@ struct Work {
     start: usize,
     num_new_tokens: usize,
     draft: Vec<u32>,
+    /// Multi-step decode: draws in this step, and the tokens that end them.
+    decode_steps: usize,
+    stop_token_ids: Vec<u32>,
 }
 
 impl FakeState {
@@ -323,7 +330,14 @@ impl FakeState {
                     seed: adapter_seed(adapter),
                 },
             );
-            work.push(Work { id: new.id, start: computed, num_new_tokens: new.num_new_tokens as usize, draft: Vec::new() });
+            work.push(Work {
+                id: new.id,
+                start: computed,
+                num_new_tokens: new.num_new_tokens as usize,
+                draft: Vec::new(),
+                decode_steps: 1,
+                stop_token_ids: Vec::new(),
+            });
         }
         for s in &step.scheduled {
             let Some(r) = live.get_mut(&s.id) else {
@@ -335,6 +349,8 @@ impl FakeState {
                 start: r.num_computed_tokens,
                 num_new_tokens: s.num_new_tokens as usize,
                 draft: s.draft_token_ids.clone(),
+                decode_steps: s.decode_steps.max(1) as usize,
+                stop_token_ids: s.stop_token_ids.clone(),
             });
         }
         let mut writers: HashMap<u32, u64> = HashMap::new();
@@ -365,7 +381,14 @@ impl FakeState {
             if !w.draft.is_empty() && w.start + w.num_new_tokens != r.tokens.len() {
                 return Err(format!("request {}: a draft on a step that does not sample", w.id));
             }
-            let end = w.start + w.num_new_tokens + w.draft.len();
+            if w.decode_steps > 1 && (w.num_new_tokens != 1 || w.start + 1 != r.tokens.len() || !w.draft.is_empty()) {
+                return Err(format!("request {}: decode_steps on a step that is not a plain decode", w.id));
+            }
+            if w.decode_steps > 1 && !r.grammar.is_empty() {
+                return Err(format!("request {}: decode_steps for a constrained request", w.id));
+            }
+            // n draws write the KV of n positions from `start` on.
+            let end = w.start + w.num_new_tokens + w.draft.len() + w.decode_steps - 1;
             if r.blocks.len() * bs < end {
                 return Err(format!("request {}: {} blocks cannot hold {end} slots", w.id, r.blocks.len()));
             }
@@ -447,6 +470,18 @@ impl FakeState {
                 Vec::new()
             };
             let emitted = match verify(config, r, &w.draft) {
+                Ok(mut emitted) if w.decode_steps > 1 => {
+                    // Further draws, each from the token drawn before.
+                    while emitted.len() < w.decode_steps && !w.stop_token_ids.contains(r.tokens.last().expect("drawn")) {
+                        let pos = r.tokens.len() - 1;
+                        let hash = *prefix_hashes(r.seed, &r.tokens).last().expect("tokens");
+                        self.kv[r.blocks[pos / bs] as usize * bs + pos % bs] = Some(hash);
+                        r.num_computed_tokens = pos + 1;
+                        emitted.extend(verify(config, r, &[]).expect("an unconstrained draw"));
+                    }
+                    r.blocks.truncate(r.num_computed_tokens.div_ceil(bs));
+                    emitted
+                }
                 Ok(emitted) => emitted,
                 Err(message) => {
                     self.requests.remove(&w.id);

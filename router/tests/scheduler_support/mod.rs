@@ -39,6 +39,7 @@ pub fn scheduler_config(fake: &FakeShardConfig) -> SchedulerConfig {
         batch_min_share: 0.1,
         batch_step_slack: 0.1,
         hourly_cost: None,
+        decode_steps: 1,
     }
 }
 
