@@ -201,6 +201,7 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
         batch_step_slack: config.serving.batch_step_slack,
         hourly_cost: config.serving.hourly_cost,
         decode_steps: config.serving.decode_steps,
+        decode_stall: Some(Duration::from_millis(config.serving.decode_stall_ms)).filter(|d| !d.is_zero()),
     };
     // The recorder first: the scheduler describes its series when it starts.
     let metrics = crate::metrics::install();
@@ -283,6 +284,7 @@ async fn start(config: &RouterConfig) -> Result<Started, String> {
             batch_min_share: config.serving.batch_min_share,
             batch_step_slack: config.serving.batch_step_slack,
             decode_steps: config.serving.decode_steps,
+            decode_stall_ms: Some(config.serving.decode_stall_ms).filter(|&ms| ms > 0),
             reasoning_parser: reasoning_parser.map(|p| p.name().to_string()),
             lora: (shard_info.max_loras > 0).then_some(LoraInfo {
                 max_loras: shard_info.max_loras,

@@ -224,6 +224,14 @@ pub struct ServingFlags {
     #[arg(long, env = "SLUICE_DECODE_STEPS", default_value_t = 8,
           value_parser = clap::value_parser!(u32).range(1..=64))]
     pub decode_steps: u32,
+    /// While requests are decoding, a step that also reads prompts is kept
+    /// to about this many milliseconds (predicted from the steps run): the
+    /// prompt chunks shrink to fit, so a running stream waits about that
+    /// at most for its next token while new prompts are read. With nothing
+    /// decoding a step may take the whole --max-batch-prefill-tokens.
+    /// 0: no limit but the budget.
+    #[arg(long, env = "SLUICE_DECODE_STALL_MS", default_value_t = 1000)]
+    pub decode_stall_ms: u64,
     /// Folder of the Batch API's database (uploaded files, batches, their
     /// results), created with mode 0700. One server per folder: a given
     /// folder in use is an error. Default: $XDG_DATA_HOME/sluice, else
@@ -383,6 +391,7 @@ impl ServingFlags {
             ("speculate-max-batch-size", u64::from(self.speculate_max_batch_size)),
             ("speculate-max-step-tokens", u64::from(self.speculate_max_step_tokens)),
             ("decode-steps", u64::from(self.decode_steps)),
+            ("decode-stall-ms", self.decode_stall_ms),
             ("batch-max-file-bytes", self.batch_max_file_bytes),
             ("batch-max-lines", u64::from(self.batch_max_lines)),
             ("responses-store-capacity", u64::from(self.responses_store_capacity)),

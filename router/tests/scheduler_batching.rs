@@ -95,6 +95,47 @@ async fn a_long_prompt_is_chunked_between_decodes() {
 }
 
 #[tokio::test]
+async fn while_requests_decode_prompt_chunks_fit_the_stall_limit() {
+    // A step costs 1 ms per token: with a 20 ms stall limit a step next to
+    // a decoding request reads about 20 prompt tokens, though the budget
+    // (64) would take the whole 60-token prompt at once.
+    let mut fake = fake_config(128, 4);
+    fake.latency_per_token = Duration::from_millis(1);
+    let mut config = scheduler_config(&fake);
+    config.max_batch_prefill_tokens = 64;
+    config.decode_stall = Some(Duration::from_millis(20));
+    let (infer, handle) = start(fake.clone(), config);
+
+    // A 40-token prompt alone (nothing decodes): one step of 40.
+    let first: Vec<u32> = (100..140).collect();
+    let mut decoding = infer.generate(request(first.clone(), 60)).await.unwrap();
+    let mut out = read(&mut decoding, Some(2)).await;
+    let long: Vec<u32> = (1..=60).collect();
+    let long_out = generate(&infer, long.clone(), 2).await;
+    assert_eq!(long_out.tokens, expected_tokens(&fake, &long, 2));
+    read_into(&mut decoding, &mut out, None).await;
+    assert_eq!(out.tokens, expected_tokens(&fake, &first, 60));
+    assert_no_leak(&infer, &handle).await;
+
+    let steps = handle.steps();
+    let tokens = |s: &sluice_router::pb::StepRequest| -> u32 {
+        s.new_requests.iter().map(|n| n.num_new_tokens).sum::<u32>() + s.scheduled.iter().map(|r| r.num_new_tokens).sum::<u32>()
+    };
+    assert_eq!(tokens(&steps[0]), 40, "nothing decoded yet: the whole prompt at once");
+    let chunks: Vec<_> = steps
+        .iter()
+        .filter(|s| {
+            s.new_requests.iter().any(|n| n.id == 1) || s.scheduled.iter().any(|r| r.id == 1 && r.num_new_tokens > 1)
+        })
+        .collect();
+    assert!(chunks.len() >= 3, "the 60-token prompt took {} steps", chunks.len());
+    for s in &chunks {
+        assert!(tokens(s) <= 21, "a step of {} tokens next to a decode: {s:?}", tokens(s));
+        assert!(s.scheduled.iter().any(|r| r.id == 0 && r.num_new_tokens == 1), "the decode starved: {s:?}");
+    }
+}
+
+#[tokio::test]
 async fn a_cancelled_request_frees_its_blocks_by_the_next_step() {
     let mut fake = fake_config(32, 4);
     fake.latency = Duration::from_millis(2);

@@ -77,6 +77,9 @@ pub struct Info {
     /// Most tokens one shard step draws per decoding request
     /// (`--decode-steps`; 1: multi-step decode is off).
     pub decode_steps: u32,
+    /// While requests decode, steps that read prompts are kept to about
+    /// this long (`--decode-stall-ms`); null: no limit but the budget.
+    pub decode_stall_ms: Option<u64>,
     /// How the model's thinking is split off (`--reasoning-parser`); null
     /// when it is not a reasoning model.
     pub reasoning_parser: Option<String>,

@@ -79,6 +79,7 @@ fn build_with_shard(setup: Setup) -> (Router, Arc<AppState>, FakeShardHandle) {
         // Several tokens per step wherever a test's requests all decode:
         // every HTTP path below streams bursts as the real server does.
         decode_steps: 4,
+        decode_stall: None,
     };
     let info = ShardInfo {
         max_loras: fake.max_loras,
@@ -150,6 +151,7 @@ fn build_with_shard(setup: Setup) -> (Router, Arc<AppState>, FakeShardHandle) {
             batch_min_share: 0.1,
             batch_step_slack: 0.1,
             decode_steps: 4,
+            decode_stall_ms: Some(1000),
             reasoning_parser: setup.reasoning.map(|kind| kind.name().to_string()),
             lora: (max_loras > 0).then_some(super::LoraInfo {
                 max_loras,

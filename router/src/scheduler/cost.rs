@@ -101,6 +101,23 @@ impl StepCosts {
         predict_on(&self.curve(), tokens as f64)
     }
 
+    /// The most tokens, up to `limit`, of a step predicted to take at most
+    /// `seconds`; None before any step was seen.
+    pub(crate) fn tokens_within(&self, seconds: f64, limit: usize) -> Option<usize> {
+        let curve = self.curve();
+        predict_on(&curve, 1.0)?;
+        // Predictions do not decrease with tokens: the last size that fits.
+        let (mut fits, mut over) = (0, limit + 1);
+        while over - fits > 1 {
+            let mid = fits + (over - fits) / 2;
+            match predict_on(&curve, mid as f64) {
+                Some(s) if s <= seconds => fits = mid,
+                _ => over = mid,
+            }
+        }
+        Some(fits)
+    }
+
     /// The most tokens that can join a step of `base` tokens while its
     /// predicted time grows by at most `slack` (a fraction), up to `limit`;
     /// 0 before any step was seen.

@@ -123,6 +123,9 @@ pub struct SchedulerConfig {
     /// Most tokens one Step may draw per decoding request (`--decode-steps`;
     /// multistep.rs); 1: one.
     pub decode_steps: u32,
+    /// While requests decode, a step is kept to about this long by its
+    /// budget (`--decode-stall-ms`; step.rs); None: the budget alone.
+    pub decode_stall: Option<Duration>,
 }
 
 /// How long one Step RPC may take. Past it the scheduler fails every request

@@ -22,6 +22,10 @@ use crate::pb;
 
 use super::Scheduler;
 
+/// Prompt tokens a step may always read while requests decode, however
+/// long the decode stall limit makes it (`step_budget`).
+const MIN_CHUNK: usize = 16;
+
 /// One request's part of a step.
 #[derive(Debug, Clone)]
 pub(crate) struct Planned {
@@ -90,7 +94,7 @@ impl Scheduler {
     pub(crate) fn build_step(&mut self) -> StepPlan {
         let mut plan = StepPlan::default();
         self.drop_cancelled();
-        let mut budget = self.config.max_batch_prefill_tokens as usize;
+        let mut budget = self.step_budget();
         plan.batch_cap = self.batch_cap(budget);
         self.schedule_running(&mut plan, &mut budget);
         self.admit(&mut plan, &mut budget);
@@ -100,6 +104,30 @@ impl Scheduler {
         }
         self.publish_occupancy();
         plan
+    }
+
+    /// The step's token budget: `--max-batch-prefill-tokens`, but while
+    /// requests are decoding only as many tokens as the step is predicted to
+    /// compute within `--decode-stall-ms` (cost.rs), and always every decode
+    /// plus [`MIN_CHUNK`], so prompts keep moving. Reading a prompt then
+    /// takes several steps, each one also a decode step for the others:
+    ///
+    /// ```text
+    ///  1B on 2 cores, ~4.4 ms a prompt token, stall 1 s, 3 streams decoding
+    ///  without: [ 3 decodes + 2,048 prompt tokens ]            ~9 s without a token
+    ///  with:    [ 3 + 220 ][ 3 + 220 ] ... (10 steps)          ~1 s between tokens
+    /// ```
+    fn step_budget(&self) -> usize {
+        let budget = self.config.max_batch_prefill_tokens as usize;
+        let Some(stall) = self.config.decode_stall else { return budget };
+        let decodes = self.running.iter().filter(|r| r.remaining() == 1).count();
+        if decodes == 0 {
+            return budget;
+        }
+        match self.costs.tokens_within(stall.as_secs_f64(), budget) {
+            Some(fits) => fits.max(decodes + MIN_CHUNK).min(budget),
+            None => budget,
+        }
     }
 
     /// Requests whose client went away leave now; their computed KV is still

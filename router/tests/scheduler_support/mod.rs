@@ -40,6 +40,7 @@ pub fn scheduler_config(fake: &FakeShardConfig) -> SchedulerConfig {
         batch_step_slack: 0.1,
         hourly_cost: None,
         decode_steps: 1,
+        decode_stall: None,
     }
 }
 
