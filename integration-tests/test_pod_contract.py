@@ -162,6 +162,10 @@ def test_pod_contract(tiny_model_dir, tmp_path):
         # The drain bound (and with it the grace period): the 1,500-token
         # stream below must end inside it however busy the machine is.
         "launcher.shutdown-timeout": 300,
+        # One token per step: the stream must outlast the preStop sleep and
+        # the readiness checks; multi-step decode would draw the tiny
+        # model's 1,500 tokens in about a second.
+        "launcher.decode-steps": 1,
         # Pods have their own /tmp and network namespace; tests share the host's.
         "launcher.shard-uds-path": str(tmp_path / "shard"),
         "launcher.master-port": free_port(),
@@ -262,9 +266,12 @@ def test_picker_gauges_move(tiny_model_dir, tmp_path):
     sluice_kv_cache_usage_ratio (in [0, 1]) grows as a request's blocks fill."""
     # One request per step, a KV cache of 128 blocks of 16 tokens (the tiny
     # model stores 512 bytes per token): a 1000-token request takes half.
+    # One token per step (--decode-steps 1): the 50 ms samples below must
+    # catch the long request's last blocks, which multi-step decode would
+    # fill several tokens a step on the tiny model.
     server = start_launcher("--model-id", str(tiny_model_dir), "--max-batch-size", "1",
                             "--kv-cache-bytes", str(128 * 16 * 512), "--max-batch-prefill-tokens", "512",
-                            tmp=tmp_path)
+                            "--decode-steps", "1", tmp=tmp_path)
     try:
         model = httpx.get(f"{server.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
         _, idle = scrape(server.base_url)
