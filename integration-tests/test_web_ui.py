@@ -248,7 +248,10 @@ def test_a_reply_streams_in_matches_the_api_and_survives_a_reload(launcher, sess
     text = reply.locator(".content").text_content()
     seen = page.evaluate("window.seen")
     partial = [busy for length, busy in seen if 0 < length < len(text)]
-    assert len(partial) >= 2, f"the reply did not stream in: {seen}"
+    # Painted before it was whole. (With multi-step decode the tokens after
+    # the first may come in one burst, so a short reply may show one partial
+    # length only.)
+    assert len(partial) >= 1, f"the reply did not stream in: {seen}"
     assert set(partial) == {"true"}, seen
     # The same request through the API, not streamed: the same greedy text.
     body = {"messages": [{"role": "system", "content": "You are a concise assistant."},
