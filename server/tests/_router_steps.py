@@ -14,6 +14,15 @@ BLOCK = 4
 
 PROMPTS = {1: [5, 9, 14, 3, 3, 7, 21], 2: [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], 3: [7, 7, 7]}
 
+# Sampling settings whose tokens a several-token step must not change.
+SAMPLINGS = [
+    shard_pb2.SamplingParams(logprobs=True, top_n_tokens=2),
+    shard_pb2.SamplingParams(temperature=1.0, seed=11, logprobs=True),
+    shard_pb2.SamplingParams(temperature=0.7, top_k=20, top_p=0.9, repetition_penalty=1.3, seed=5),
+    shard_pb2.SamplingParams(temperature=1.0, frequency_penalty=0.5, presence_penalty=0.3, min_tokens=6, seed=2),
+]
+SAMPLING_IDS = ["greedy", "sampled", "warped", "penalties"]
+
 
 @pytest.fixture(scope="module")
 def runner(tiny_model_dir) -> ModelRunner:

@@ -17,19 +17,10 @@ from sluice_server.batch import MAX_DECODE_STEPS, InvalidStep
 from sluice_server.pb import shard_pb2
 from sluice_server.servicer import Shard
 
-from _router_steps import PROMPTS, Requests, runner, shard  # noqa: F401 (fixtures)
+from _router_steps import PROMPTS, SAMPLING_IDS, SAMPLINGS, Requests, runner, shard  # noqa: F401 (fixtures)
 
 
-@pytest.mark.parametrize(
-    "params",
-    [
-        shard_pb2.SamplingParams(logprobs=True, top_n_tokens=2),
-        shard_pb2.SamplingParams(temperature=1.0, seed=11, logprobs=True),
-        shard_pb2.SamplingParams(temperature=0.7, top_k=20, top_p=0.9, repetition_penalty=1.3, seed=5),
-        shard_pb2.SamplingParams(temperature=1.0, frequency_penalty=0.5, presence_penalty=0.3, min_tokens=6, seed=2),
-    ],
-    ids=["greedy", "sampled", "warped", "penalties"],
-)
+@pytest.mark.parametrize("params", SAMPLINGS, ids=SAMPLING_IDS)
 def test_several_draws_per_step_never_change_the_tokens(runner, params):
     """Three requests, 21 tokens each (the prefill draws the first, then 4
     Steps of 5 draws): the tokens, logprobs and top tokens of one token per

@@ -22,7 +22,7 @@ from sluice_server.pb import shard_pb2
 from sluice_server.servicer import Shard
 
 from conftest import Driver
-from _router_steps import BLOCK, PROMPTS, Requests, no_drafts, runner, shard  # noqa: F401 (fixtures)
+from _router_steps import BLOCK, PROMPTS, SAMPLING_IDS, SAMPLINGS, Requests, no_drafts, runner, shard  # noqa: F401 (fixtures)
 
 
 def oracle(reference: dict[int, list[int]], prompts: dict[int, list[int]], k: int):
@@ -40,16 +40,7 @@ def oracle(reference: dict[int, list[int]], prompts: dict[int, list[int]], k: in
     return propose
 
 
-@pytest.mark.parametrize(
-    "params",
-    [
-        shard_pb2.SamplingParams(logprobs=True, top_n_tokens=2),
-        shard_pb2.SamplingParams(temperature=1.0, seed=11, logprobs=True),
-        shard_pb2.SamplingParams(temperature=0.7, top_k=20, top_p=0.9, repetition_penalty=1.3, seed=5),
-        shard_pb2.SamplingParams(temperature=1.0, frequency_penalty=0.5, presence_penalty=0.3, min_tokens=6, seed=2),
-    ],
-    ids=["greedy", "sampled", "warped", "penalties"],
-)
+@pytest.mark.parametrize("params", SAMPLINGS, ids=SAMPLING_IDS)
 def test_drafts_never_change_the_tokens(runner, params):
     """Three requests batched together emit the same tokens, logprobs and
     top tokens with drafts (every acceptance length) as without."""

@@ -55,7 +55,7 @@ impl Scheduler {
         }
         let bs = self.config.block_size as usize;
         for entry in &mut plan.entries {
-            let index = self.running.iter().position(|r| r.id == entry.id).expect("planned requests are running");
+            let index = self.position(entry.id).expect("planned requests are running");
             let r = &mut self.running[index];
             let allowed = r.request.max_new_tokens.saturating_sub(r.generated()) as usize;
             let draws = steps.min(allowed);
