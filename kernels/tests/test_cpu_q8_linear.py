@@ -190,7 +190,7 @@ def test_a_layer_of_mixed_types(isa):
 def test_a_row_does_not_depend_on_the_other_rows(fmt, linear):
     n, k = 77, 1536
     w = records(fmt, n, k, seed=11)
-    x = randn(300, k, seed=12) * torch.linspace(0.1, 3, k)  # > 64 rows: several work items
+    x = randn(300, k, seed=12) * torch.linspace(0.1, 3, k)  # > 256 rows: several work items
     all_rows = linear(x, w, LAYOUTS[fmt])
     for rows in (slice(5, 6), slice(100, 117), slice(250, 300)):
         assert torch.equal(all_rows[rows], linear(x[rows], w, LAYOUTS[fmt]))
