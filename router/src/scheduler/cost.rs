@@ -106,16 +106,7 @@ impl StepCosts {
     pub(crate) fn tokens_within(&self, seconds: f64, limit: usize) -> Option<usize> {
         let curve = self.curve();
         predict_on(&curve, 1.0)?;
-        // Predictions do not decrease with tokens: the last size that fits.
-        let (mut fits, mut over) = (0, limit + 1);
-        while over - fits > 1 {
-            let mid = fits + (over - fits) / 2;
-            match predict_on(&curve, mid as f64) {
-                Some(s) if s <= seconds => fits = mid,
-                _ => over = mid,
-            }
-        }
-        Some(fits)
+        Some(most_within(&curve, 0, seconds, limit))
     }
 
     /// The most tokens that can join a step of `base` tokens while its
@@ -123,19 +114,25 @@ impl StepCosts {
     /// 0 before any step was seen.
     pub(crate) fn room_within(&self, base: usize, slack: f64, limit: usize) -> usize {
         let curve = self.curve();
-        let Some(now) = predict_on(&curve, base.max(1) as f64) else { return 0 };
-        let target = now * (1.0 + slack);
-        // Predictions do not decrease with tokens: the last extra that fits.
-        let (mut fits, mut over) = (0, limit + 1);
-        while over - fits > 1 {
-            let mid = fits + (over - fits) / 2;
-            match predict_on(&curve, (base.max(1) + mid) as f64) {
-                Some(seconds) if seconds <= target => fits = mid,
-                _ => over = mid,
-            }
-        }
-        fits
+        let base = base.max(1);
+        let Some(now) = predict_on(&curve, base as f64) else { return 0 };
+        most_within(&curve, base, now * (1.0 + slack), limit)
     }
+}
+
+/// The most tokens `n <= limit` that a step of `base` tokens can take while
+/// a step of `base + n` is predicted to take at most `seconds`: predictions
+/// do not decrease with tokens, so the last `n` that fits, found by halving.
+fn most_within(curve: &[(f64, f64)], base: usize, seconds: f64, limit: usize) -> usize {
+    let (mut fits, mut over) = (0, limit + 1);
+    while over - fits > 1 {
+        let mid = fits + (over - fits) / 2;
+        match predict_on(curve, (base + mid) as f64) {
+            Some(s) if s <= seconds => fits = mid,
+            _ => over = mid,
+        }
+    }
+    fits
 }
 
 fn predict_on(curve: &[(f64, f64)], tokens: f64) -> Option<f64> {
