@@ -1076,7 +1076,7 @@ at::Tensor grouped_block_linear(const at::Tensor& x, const std::vector<int64_t>&
   std::vector<Item> items;
   for (int64_t e = 0; e < experts; ++e) {
     TORCH_CHECK(offsets[e + 1] >= offsets[e], "offsets must not decrease");
-    const int64_t tile = std::max<int64_t>(item_rows(offsets[e + 1] - offsets[e]), 1);
+    const int64_t tile = item_rows(offsets[e + 1] - offsets[e]);  // 0 only for an empty run, which has no item
     for (int64_t r = offsets[e]; r < offsets[e + 1]; r += tile)
       for (int64_t g = 0; g < groups; ++g) items.push_back({e, g, r, std::min(tile, offsets[e + 1] - r)});
   }
