@@ -8,6 +8,12 @@ use std::time::Duration;
 
 use scheduler_support::*;
 use sluice_router::infer::{FinishReason, InferError};
+use sluice_router::pb::StepRequest;
+
+/// Tokens a step computes: its new requests' and its scheduled ones'.
+fn step_tokens(step: &StepRequest) -> u32 {
+    step.new_requests.iter().map(|n| n.num_new_tokens).sum::<u32>() + step.scheduled.iter().map(|s| s.num_new_tokens).sum::<u32>()
+}
 
 #[tokio::test]
 async fn a_request_joins_a_running_batch() {
@@ -46,8 +52,7 @@ async fn every_step_honours_the_token_budget_and_batch_size() {
         assert_eq!(o.tokens, expected_tokens(&fake, p, 6));
     }
     for step in handle.steps() {
-        let tokens: u32 = step.new_requests.iter().map(|n| n.num_new_tokens).sum::<u32>()
-            + step.scheduled.iter().map(|s| s.num_new_tokens).sum::<u32>();
+        let tokens = step_tokens(&step);
         assert!(tokens <= 16, "step computes {tokens} tokens");
         assert!(step.new_requests.len() + step.scheduled.len() <= 5);
     }
@@ -118,10 +123,7 @@ async fn while_requests_decode_prompt_chunks_fit_the_stall_limit() {
     assert_no_leak(&infer, &handle).await;
 
     let steps = handle.steps();
-    let tokens = |s: &sluice_router::pb::StepRequest| -> u32 {
-        s.new_requests.iter().map(|n| n.num_new_tokens).sum::<u32>() + s.scheduled.iter().map(|r| r.num_new_tokens).sum::<u32>()
-    };
-    assert_eq!(tokens(&steps[0]), 40, "nothing decoded yet: the whole prompt at once");
+    assert_eq!(step_tokens(&steps[0]), 40, "nothing decoded yet: the whole prompt at once");
     let chunks: Vec<_> = steps
         .iter()
         .filter(|s| {
@@ -130,7 +132,7 @@ async fn while_requests_decode_prompt_chunks_fit_the_stall_limit() {
         .collect();
     assert!(chunks.len() >= 3, "the 60-token prompt took {} steps", chunks.len());
     for s in &chunks {
-        assert!(tokens(s) <= 21, "a step of {} tokens next to a decode: {s:?}", tokens(s));
+        assert!(step_tokens(s) <= 21, "a step of {} tokens next to a decode: {s:?}", step_tokens(s));
         assert!(s.scheduled.iter().any(|r| r.id == 0 && r.num_new_tokens == 1), "the decode starved: {s:?}");
     }
 }
