@@ -43,13 +43,14 @@
 // and the kernels form the block's pair, d * sc and -(dmin * m) or -32 d sc,
 // in registers: the same float32 values the other layouts store (each
 // product is exact), so the results are the same bits. One exception: for
-// Q6_K's constant pair the AVX-512 kernel takes the 32 off inside the integer
-// dot product, sum (wq - 32) xq, and sums the two halves' products before the
-// one multiply by dx; two FMAs fewer per row and block (Q6_K matmuls ran at
-// 45-49% of the int8 rate, Q4_K's at 58-63%), and nearer the exact result,
-// as the offset cancels in integers instead of float32. Its direct and
-// expanded (U6_X) forms share that arithmetic, so a row's result still does
-// not depend on the step's other rows.
+// Q6_K's constant pair the AVX-512 and AVX2 kernels take the 32 off inside
+// the integer dot product, sum (wq - 32) xq, and sum the two halves'
+// products before the one multiply by dx; two FMAs fewer per row and block
+// (Q6_K matmuls ran at 45-49% of the int8 rate, Q4_K's at 58-63%), and
+// nearer the exact result, as the offset cancels in integers instead of
+// float32. The AVX-512 kernel's direct and expanded (U6_X) forms share that
+// arithmetic, so a row's result still does not depend on the step's other
+// rows. (The portable kernel keeps the float32 pair.)
 //
 // The layouts are the codes below (the `format` argument of q8_linear).
 //
@@ -110,8 +111,8 @@ constexpr bool six_bit(int64_t l) { return l == U6_K; }
 constexpr bool f32_scales(int64_t l) { return l == U4_F32 || l == U8_F32 || l == U8_HALVES || l == U6_X; }
 // A scale pair per 16 weights instead of per 32 (U6_X: a scale only).
 constexpr bool halves(int64_t l) { return l == U8_HALVES || l == U6_K || l == U6_X; }
-// Q6_K's weights are sw * (wq - 32): the AVX-512 kernel takes the 32 off in
-// integers (see group_avx512), so its records need no cw.
+// Q6_K's weights are sw * (wq - 32): the AVX-512 and AVX2 kernels take the
+// 32 off in integers (see group_avx512), so U6_X records need no cw.
 constexpr bool q6_offset(int64_t l) { return l == U6_K || l == U6_X; }
 constexpr int64_t scale_bytes(int64_t l) { return f32_scales(l) ? 4 : 2; }
 // Scale vectors of 16 per record: (sw, cw), or (sw lo, sw hi, cw lo, cw hi).
@@ -693,6 +694,25 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_avx2(const Args& a, 
     weights256<F>(wp, w);
     __m256 sw[2][2], cw[2][2];
     scales256<F>(head, b, sw, cw);
+    if constexpr (q6_offset(F)) {  // as group_avx512 does: the 32 off in integers
+      for (int r = 0; r < R; ++r) {
+        const int32_t* xr = reinterpret_cast<const int32_t*>(a.xq + (r0 + r) * a.K + b * QK);
+        const int64_t xi = (r0 + r) * a.nb + b;
+        const __m256i lo = _mm256_set1_epi32(-32 * a.sum_lo[xi]), hi = _mm256_set1_epi32(-32 * a.sum_hi[xi]);
+        __m256i d[2][2] = {{lo, lo}, {hi, hi}};
+        for (int c = 0; c < 8; ++c) {
+          const __m256i xb = _mm256_set1_epi32(xr[c]);
+          for (int h = 0; h < 2; ++h) d[c / 4][h] = dot_u8s8<VNNI>(d[c / 4][h], w[c][h], xb);
+        }
+        const __m256 scale = _mm256_set1_ps(dx[r * a.nb + b]);
+        for (int h = 0; h < 2; ++h) {
+          const __m256 both = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[1][h]), sw[1][h],
+                                              _mm256_mul_ps(_mm256_cvtepi32_ps(d[0][h]), sw[0][h]));
+          acc[r][h] = _mm256_fmadd_ps(both, scale, acc[r][h]);
+        }
+      }
+      continue;
+    }
     if constexpr (halves(F)) {
       // h: which 8 of the 16 outputs; k: which half of the 32 values.
       for (int r = 0; r < R; ++r) {
