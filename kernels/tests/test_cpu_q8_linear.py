@@ -145,6 +145,32 @@ def test_kernels_match_the_reference(isa, fmt, rows):
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
 
 
+# Where each type's quants sit in its block (set to 0xFF, every weight is at
+# its type's largest value: 15, or 63 for Q6_K).
+QUANT_BYTES = {"Q4_0": slice(2, 18), "Q4_1": slice(4, 20), "Q4_K": slice(16, 144), "Q6_K": slice(0, 192)}
+
+
+@pytest.mark.parametrize("isa", [isa_param(c) for c in ALL_ISAS])
+@pytest.mark.parametrize("fmt", sorted(QUANT_BYTES))
+@pytest.mark.parametrize("sign", [1, -1])
+@pytest.mark.parametrize("rows", [1, 40])  # 40: past both K-quant layouts' expansion thresholds
+def test_the_largest_weights_and_activations_stay_exact(isa, fmt, sign, rows):
+    """Largest weights times activations of +-127: the AVX2 kernel keeps
+    PMADDUBSW's sums in 16 bits (all 8 chunks of a 4-bit block, two of a
+    6-bit one), which must then be at their largest without wrapping."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    n, k = 32, 512
+    values, size = GGML_QUANT_SIZES[GGMLQuantizationType[fmt]]
+    blocks = random_blocks(fmt, n, k, seed=3).reshape(n, k // values, size)
+    blocks[..., QUANT_BYTES[fmt]] = 0xFF
+    w = gguf_blocks.unpack(fmt, np.ascontiguousarray(blocks.reshape(n, -1)), k)
+    assert w.wq.max() == (63 if fmt == "Q6_K" else 15)
+    x = torch.full((rows, k), float(sign))
+    got = q8_linear(x, w, LAYOUTS[fmt], isa)
+    torch.testing.assert_close(got, reference_q8_linear(x, w), rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.parametrize("isa", [isa_param(c) for c in ALL_ISAS])
 @pytest.mark.parametrize("fmt", sorted(LAYOUTS))
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 9, 17, 70])

@@ -219,7 +219,7 @@ VNNI = {"avx2", "avx512f", "avx512_vnni"}
     "requested,dtype,flags,block_rows,want",
     [
         # --dtype auto on a float32 model: int8 blocks, up to the host's limit.
-        ("auto", torch.float32, {"avx2"}, None, CpuMatmuls(True, 8, None)),
+        ("auto", torch.float32, {"avx2"}, None, CpuMatmuls(True, ALL_ROWS, None)),
         ("auto", torch.float32, VNNI, None, CpuMatmuls(True, ALL_ROWS, None)),
         ("auto", torch.float32, VNNI | {"avx512_bf16"}, None, CpuMatmuls(True, ALL_ROWS, torch.bfloat16)),
         ("auto", torch.float32, VNNI | {"avx512_bf16", "amx_bf16", "amx_int8"}, None, INT8_PLAN),

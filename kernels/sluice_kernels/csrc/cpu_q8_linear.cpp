@@ -57,7 +57,8 @@
 // A K-chunk of 4 values of one activation row is broadcast to all 16 lanes and
 // multiplied with the 16 outputs' 4 weights: one VPDPBUSD per chunk.
 //
-// Kernels: AVX-512 VNNI, AVX-VNNI (256-bit), AVX2 (widening PMADDWD) and
+// Kernels: AVX-512 VNNI, AVX-VNNI (256-bit), AVX2 (PMADDUBSW on weights of
+// at most 6 bits, see small_dots256; widening PMADDWD on 8-bit ones) and
 // scalar, each compiled with its own target attribute and chosen at run time
 // from the CPU's features, so one build runs on any x86-64 host and the tests
 // run every kernel the host can execute against the same reference.
@@ -114,6 +115,8 @@ constexpr bool halves(int64_t l) { return l == U8_HALVES || l == U6_K || l == U6
 // Q6_K's weights are sw * (wq - 32): the AVX-512 and AVX2 kernels take the
 // 32 off in integers (see group_avx512), so U6_X records need no cw.
 constexpr bool q6_offset(int64_t l) { return l == U6_K || l == U6_X; }
+// Weights of at most 6 bits, whatever their packing (see small_dots256).
+constexpr bool narrow(int64_t l) { return four_bit(l) || l == U6_X; }
 constexpr int64_t scale_bytes(int64_t l) { return f32_scales(l) ? 4 : 2; }
 // Scale vectors of 16 per record: (sw, cw), or (sw lo, sw hi, cw lo, cw hi).
 constexpr int64_t scale_sets(int64_t l) { return l == U8_HALVES ? 4 : 2; }
@@ -359,8 +362,8 @@ struct Args {
   float* y;
   int64_t K, nb, N, format;
   // This group's records where they are not at packed + g * group_bytes
-  // (expand_group512's copy; only the AVX-512 kernel, which run_item gives
-  // it to, reads this).
+  // (expand_group512's or expand_group256's copy, which run_item gives to
+  // the AVX-512 and AVX2 kernels).
   const uint8_t* records = nullptr;
 
   Args(const uint8_t* packed, const QuantizedRows& q, float* y, int64_t K, int64_t N, int64_t format)
@@ -614,6 +617,40 @@ __attribute__((target("avx2"))) inline __m256i dot_u8s8<false>(__m256i acc, __m2
   return _mm256_add_epi32(acc, _mm256_hadd_epi32(lo, hi));
 }
 
+// AVX2 without VNNI, weights of at most 6 bits (every nibble-packed layout):
+// PMADDUBSW's sums of two u8 x s8 products, at most 63 * 127 * 2 = 16,002,
+// cannot saturate, so the products stay in 16 bits until one PMADDWD by ones
+// widens them: 4-bit weights sum all 8 K-chunks in 16 bits (8 * 15 * 127 * 2
+// = 30,480 < 2^15), 6-bit ones two chunks at a time. The int32 lanes hold the
+// same exact sums as dot_u8s8's (and VPDPBUSD's), from about a quarter of the
+// instructions. d[k][h] += the dot of K-chunks 4k .. 4k+3 (k = 0, 1) for the
+// outputs' half h; with `split` false only d[0][h] is added to, with all 8.
+template <int64_t F, bool split>
+__attribute__((target("avx2"))) inline void small_dots256(const __m256i (&w)[8][2], const int32_t* xr,
+                                                          __m256i (&d)[2][2]) {
+  static_assert(narrow(F), "weights of at most 6 bits");
+  static_assert(q6_offset(F) || !split, "a 4-bit block has one scale pair: no halves' sums");
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i x[8];
+  for (int c = 0; c < 8; ++c) x[c] = _mm256_set1_epi32(xr[c]);
+  auto pair = [&](int c, int h) {
+    return _mm256_add_epi16(_mm256_maddubs_epi16(w[c][h], x[c]), _mm256_maddubs_epi16(w[c + 1][h], x[c + 1]));
+  };
+  for (int h = 0; h < 2; ++h) {
+    if constexpr (q6_offset(F)) {
+      for (int k = 0; k < 2; ++k) {
+        const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(pair(4 * k, h), ones),
+                                           _mm256_madd_epi16(pair(4 * k + 2, h), ones));
+        d[split ? k : 0][h] = _mm256_add_epi32(d[split ? k : 0][h], s);
+      }
+    } else {
+      const __m256i s = _mm256_add_epi16(_mm256_add_epi16(pair(0, h), pair(2, h)),
+                                         _mm256_add_epi16(pair(4, h), pair(6, h)));
+      d[0][h] = _mm256_add_epi32(d[0][h], _mm256_madd_epi16(s, ones));
+    }
+  }
+}
+
 // weights512 / scales512 for the 256-bit kernels: [chunk][which 8 outputs],
 // and sw[k][h], cw[k][h] for the half k of 16 values and the outputs' half h.
 template <int64_t F>
@@ -662,6 +699,12 @@ __attribute__((target("avx2,f16c"))) inline void scales256(const uint8_t* head, 
         sw[k][h] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes8(head + K6_SC + NG * (2 * j + k) + 8 * h))));
         cw[k][h] = _mm256_mul_ps(sw[k][h], _mm256_set1_ps(-32.f));
       }
+    } else if constexpr (F == U6_X) {
+      const float* s = reinterpret_cast<const float*>(head);
+      for (int k = 0; k < 2; ++k) {
+        sw[k][h] = _mm256_loadu_ps(s + 16 * k + 8 * h);
+        cw[k][h] = _mm256_setzero_ps();  // unused: q6_offset
+      }
     } else if constexpr (halves(F)) {
       const float* s = reinterpret_cast<const float*>(head);
       for (int k = 0; k < 2; ++k) {
@@ -682,7 +725,7 @@ template <int R, int64_t F, bool VNNI>
 __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_avx2(const Args& a, int64_t g, int64_t r0) {
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  const uint8_t* group = a.packed + g * group_bytes(F, a.nb);
+  const uint8_t* group = a.records ? a.records : a.packed + g * group_bytes(F, a.nb);
   const float* dx = a.dx + r0 * a.nb;
   const float* sx = a.sx + r0 * a.nb;
   const float* sx_lo = a.sx_lo + r0 * a.nb;
@@ -700,9 +743,13 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_avx2(const Args& a, 
         const int64_t xi = (r0 + r) * a.nb + b;
         const __m256i lo = _mm256_set1_epi32(-32 * a.sum_lo[xi]), hi = _mm256_set1_epi32(-32 * a.sum_hi[xi]);
         __m256i d[2][2] = {{lo, lo}, {hi, hi}};
-        for (int c = 0; c < 8; ++c) {
-          const __m256i xb = _mm256_set1_epi32(xr[c]);
-          for (int h = 0; h < 2; ++h) d[c / 4][h] = dot_u8s8<VNNI>(d[c / 4][h], w[c][h], xb);
+        if constexpr (VNNI) {
+          for (int c = 0; c < 8; ++c) {
+            const __m256i xb = _mm256_set1_epi32(xr[c]);
+            for (int h = 0; h < 2; ++h) d[c / 4][h] = dot_u8s8<VNNI>(d[c / 4][h], w[c][h], xb);
+          }
+        } else {
+          small_dots256<F, true>(w, xr, d);
         }
         const __m256 scale = _mm256_set1_ps(dx[r * a.nb + b]);
         for (int h = 0; h < 2; ++h) {
@@ -737,9 +784,15 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_avx2(const Args& a, 
     for (int r = 0; r < R; ++r) {
       const int32_t* xr = reinterpret_cast<const int32_t*>(a.xq + (r0 + r) * a.K + b * QK);
       __m256i d[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-      for (int c = 0; c < 8; ++c) {
-        const __m256i xb = _mm256_set1_epi32(xr[c]);
-        for (int h = 0; h < 2; ++h) d[h] = dot_u8s8<VNNI>(d[h], w[c][h], xb);
+      if constexpr (!VNNI && narrow(F)) {
+        __m256i dk[2][2] = {{d[0], d[1]}, {d[0], d[1]}};
+        small_dots256<F, false>(w, xr, dk);
+        d[0] = dk[0][0], d[1] = dk[0][1];
+      } else {
+        for (int c = 0; c < 8; ++c) {
+          const __m256i xb = _mm256_set1_epi32(xr[c]);
+          for (int h = 0; h < 2; ++h) d[h] = dot_u8s8<VNNI>(d[h], w[c][h], xb);
+        }
       }
       const __m256 scale = _mm256_set1_ps(dx[r * a.nb + b]), shift = _mm256_set1_ps(sx[r * a.nb + b]);
       for (int h = 0; h < 2; ++h) {
@@ -759,6 +812,33 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_avx2(const Args& a, 
       _mm256_store_ps(tmp, acc[r][0]);
       _mm256_store_ps(tmp + 8, acc[r][1]);
       std::copy(tmp, tmp + (a.N - n0), out);
+    }
+  }
+}
+
+// expand_group512 for the 256-bit kernels: the same records, bit for bit.
+template <int64_t F>
+__attribute__((target("avx2,f16c"))) void expand_group256(const uint8_t* group, int64_t nb, uint8_t* out) {
+  constexpr int64_t T = expanded_layout(F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t *head, *wp;
+    locate(F, group, b, head, wp);
+    __m256 sw[2][2], cw[2][2];
+    scales256<F>(head, b, sw, cw);
+    uint8_t* rec = out + b * record_bytes(T);
+    float* scales = reinterpret_cast<float*>(rec);
+    for (int h = 0; h < 2; ++h) {  // U4_F32: [sw][cw]; U6_X: [sw lo][sw hi]
+      _mm256_storeu_ps(scales + 8 * h, sw[0][h]);
+      _mm256_storeu_ps(scales + 16 + 8 * h, T == U6_X ? sw[1][h] : cw[0][h]);
+    }
+    auto store = [](uint8_t* p, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); };
+    if constexpr (four_bit(T)) {  // the same nibble records
+      for (int c = 0; c < 8; ++c) store(rec + header_bytes(T) + 32 * c, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32 * c)));
+    } else {
+      __m256i w[8][2];
+      weights256<F>(wp, w);
+      for (int c = 0; c < 8; ++c)
+        for (int h = 0; h < 2; ++h) store(rec + header_bytes(T) + 64 * c + 32 * h, w[c][h]);
     }
   }
 }
@@ -909,7 +989,9 @@ void in_tiles(int64_t M, const Kernel& kernel) {
 }
 
 // Rows per register tile of each kernel: the int8 ones, then the float ones.
-constexpr int TILE_AVX512 = 4, TILE_AVX2 = 2;
+// (AVX2 without VNNI: 4 rows ran 8-12% faster than 2 from 16 rows on, one
+// thread, Zen 3; the AVX-VNNI kernel, not measured on such a host, keeps 2.)
+constexpr int TILE_AVX512 = 4, TILE_AVX2 = 2, TILE_AVX2_NO_VNNI = 4;
 constexpr int FTILE_AVX512 = 8, FTILE_AVX2 = 4;
 
 template <int64_t F>
@@ -920,7 +1002,7 @@ void run_group(Isa isa, const Args& a, int64_t g, int64_t M) {
   if (isa == ISA_AVX_VNNI)
     return in_tiles<TILE_AVX2>(M, [&](auto R, int64_t r0) { group_avx2<decltype(R)::value, F, true>(a, g, r0); });
   if (isa == ISA_AVX2)
-    return in_tiles<TILE_AVX2>(M, [&](auto R, int64_t r0) { group_avx2<decltype(R)::value, F, false>(a, g, r0); });
+    return in_tiles<TILE_AVX2_NO_VNNI>(M, [&](auto R, int64_t r0) { group_avx2<decltype(R)::value, F, false>(a, g, r0); });
 #endif
   for (int64_t r0 = 0; r0 < M; r0 += 8) group_scalar(a, g, r0, std::min<int64_t>(8, M - r0));
 }
@@ -998,13 +1080,17 @@ void with_layout(int64_t format, const Fn& fn) {
 
 // Rows per work item from which a K-quant group is expanded first.
 // (U4_K forms its scale pairs cheaply enough that 16-row decode steps ran
-// 15% faster without the copy; U6_K gained from 16 rows.)
+// 15% faster without the copy; U6_K gained from 16 rows. The AVX2 kernel
+// without VNNI, one thread on Zen 3: U6_K 84 -> 97 GOP/s at 16 rows, 88 ->
+// 103-115 at 32; U4_K within 5% either way.)
 constexpr int64_t expand_rows(int64_t layout) { return layout == U4_K ? 32 : 16; }
 
 // One work item of q8_linear / grouped_block_linear: group g for a's M rows.
 void run_item(Isa isa, const Args& a, int64_t g, int64_t M) {
 #ifdef SLUICE_X86
-  if (isa == ISA_AVX512_VNNI && super_blocks(a.format) && M >= expand_rows(a.format)) {
+  // The AVX-VNNI kernel does not expand: not measured on a host that has it.
+  const bool wide = isa == ISA_AVX512_VNNI;
+  if ((wide || isa == ISA_AVX2) && super_blocks(a.format) && M >= expand_rows(a.format)) {
     thread_local std::vector<uint8_t> scratch;
     scratch.resize(a.nb * record_bytes(expanded_layout(a.format)));
     const uint8_t* group = a.packed + g * group_bytes(a.format, a.nb);
@@ -1012,11 +1098,16 @@ void run_item(Isa isa, const Args& a, int64_t g, int64_t M) {
     sub.records = scratch.data();
     sub.format = expanded_layout(a.format);
     if (a.format == U4_K) {
-      expand_group512<U4_K>(group, a.nb, scratch.data());
+      if (wide) expand_group512<U4_K>(group, a.nb, scratch.data());
+      else expand_group256<U4_K>(group, a.nb, scratch.data());
       return run_group<U4_F32>(isa, sub, g, M);
     }
-    expand_group512<U6_K>(group, a.nb, scratch.data());
-    return in_tiles<TILE_AVX512>(M, [&](auto R, int64_t r0) { group_avx512<decltype(R)::value, U6_X>(sub, g, r0); });
+    if (wide) {
+      expand_group512<U6_K>(group, a.nb, scratch.data());
+      return in_tiles<TILE_AVX512>(M, [&](auto R, int64_t r0) { group_avx512<decltype(R)::value, U6_X>(sub, g, r0); });
+    }
+    expand_group256<U6_K>(group, a.nb, scratch.data());
+    return in_tiles<TILE_AVX2>(M, [&](auto R, int64_t r0) { group_avx2<decltype(R)::value, U6_X, false>(sub, g, r0); });
   }
 #endif
   with_layout(a.format, [&](auto F) { run_group<decltype(F)::value>(isa, a, g, M); });
@@ -1196,9 +1287,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> q8_quantize(const at::Tensor& x) 
 
 // The host's rate of the int8 dot products the kernels are made of, for
 // benchmarks (step_bench.py's host limits): every thread runs `iterations`
-// rounds of 12 independent multiply-accumulates of u8 x s8 pairs into int32
-// lanes (VPDPBUSD on 512 bits; on AVX2, the widening PMADDWD sequence of
-// dot_u8s8), with nothing loaded from memory. Returns int8 operations (a
+// rounds of 12 independent multiply-accumulates of u8 x s8 pairs (VPDPBUSD
+// into int32 lanes on 512 bits; on AVX2, PMADDUBSW into 16-bit lanes, as
+// small_dots256 sums its 4-bit blocks), with nothing loaded from memory. Returns int8 operations (a
 // multiply and an add per pair) per second over all threads.
 #ifdef SLUICE_X86
 // 12 accumulators named one by one (an array would live on the stack),
@@ -1226,8 +1317,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) int64_t dot_rounds_avx512
 
 __attribute__((target("avx2"))) int64_t dot_rounds_avx2(int64_t iterations) {
   const __m256i w = _mm256_set1_epi8(3), x = _mm256_set1_epi8(-1);
-#define DOT256(a) dot_u8s8<false>(a, w, x)
-  DOT_ROUNDS(__m256i, "x", _mm256_set1_epi32, DOT256, _mm256_add_epi32)
+#define DOT256(a) _mm256_add_epi16(a, _mm256_maddubs_epi16(w, x))
+  DOT_ROUNDS(__m256i, "x", _mm256_set1_epi16, DOT256, _mm256_add_epi16)
 #undef DOT256
   return 12 * 32 * 2;
 }
