@@ -66,10 +66,19 @@ def free_dense_weight_(module: nn.Module) -> None:
     module.weight.data = torch.empty(0, dtype=module.weight.dtype)
 
 
+def _onednn_bf16() -> bool:
+    """Whether oneDNN packs bfloat16 weights on this CPU: torch refuses to
+    without AVX-512 BW/VL/DQ or AVX-NE-CONVERT (an AVX2-only host then keeps
+    the plain bf16 weight, as F.linear multiplies it)."""
+    supported = getattr(_MKLDNN, "_is_mkldnn_bf16_supported", None)
+    return supported is None or bool(supported())
+
+
 def can_pack_for_cpu(weight: torch.Tensor) -> bool:
     return (
         weight.device.type == "cpu"
         and weight.dtype in CPU_PACK_DTYPES
+        and (weight.dtype != torch.bfloat16 or _onednn_bf16())
         and torch.backends.mkldnn.is_available()
         and hasattr(_MKLDNN, "_reorder_linear_weight")
         and hasattr(_MKLDNN, "_linear_pointwise")
