@@ -87,7 +87,7 @@ def memory_bandwidth(mib: int = 512, repeats: int = 5) -> float:
 def int8_dot_peak() -> float:
     """The host's int8 dot-product rate in GOP/s (multiply and add of each
     u8 x s8 pair; the instruction the block matmuls are made of: VPDPBUSD, or
-    AVX2's widening sequence), all threads, nothing loaded from memory; best
+    AVX2's PMADDUBSW), all threads, nothing loaded from memory; best
     of 3. 0 where the kernels did not load."""
     from sluice_kernels import cpu_kernels
 

@@ -58,7 +58,8 @@
 // multiplied with the 16 outputs' 4 weights: one VPDPBUSD per chunk.
 //
 // Kernels: AVX-512 VNNI, AVX-VNNI (256-bit), AVX2 (PMADDUBSW on weights of
-// at most 6 bits, see small_dots256; widening PMADDWD on 8-bit ones) and
+// at most 6 bits, see small_dots256 and, for steps of several rows,
+// group_avx2_bytes; widening PMADDWD on 8-bit ones) and
 // scalar, each compiled with its own target attribute and chosen at run time
 // from the CPU's features, so one build runs on any x86-64 host and the tests
 // run every kernel the host can execute against the same reference.
@@ -100,8 +101,11 @@ constexpr int64_t NG = 16;  // outputs per group
 // Record layouts: weight bits x scale width, then the two K-quant layouts
 // that keep a super-block's own scale fields (see the top of the file).
 enum Layout : int64_t { U4_F16 = 0, U8_F16 = 1, U4_F32 = 2, U8_F32 = 3, U8_HALVES = 4, U4_K = 5, U6_K = 6,
-                        // Internal only: the AVX-512 kernel's copy of a U6_K group (expand_group512).
-                        U6_X = 7 };
+                        // Internal only, the copies run_item makes of a group for big steps: a U6_K
+                        // group's (expand_group512, expand_bytes256), and for the AVX2 kernel
+                        // without VNNI, a 4-bit one's with the weights unpacked to bytes (U8_F32's
+                        // records, weights at most 15; see group_avx2_bytes).
+                        U6_X = 7, U4_X = 8 };
 enum Isa : int64_t { ISA_AUTO = 0, ISA_SCALAR = 1, ISA_AVX2 = 2, ISA_AVX_VNNI = 3, ISA_AVX512_VNNI = 4 };
 
 // Super-block layouts: a header per 256 values, then 8 blocks' weights.
@@ -109,14 +113,14 @@ constexpr bool super_blocks(int64_t l) { return l == U4_K || l == U6_K; }
 // The weights' low 4 bits are nibble-packed (U6_K adds a plane of 2 high bits).
 constexpr bool four_bit(int64_t l) { return l == U4_F16 || l == U4_F32 || l == U4_K || l == U6_K; }
 constexpr bool six_bit(int64_t l) { return l == U6_K; }
-constexpr bool f32_scales(int64_t l) { return l == U4_F32 || l == U8_F32 || l == U8_HALVES || l == U6_X; }
+constexpr bool f32_scales(int64_t l) { return l == U4_F32 || l == U8_F32 || l == U8_HALVES || l == U6_X || l == U4_X; }
 // A scale pair per 16 weights instead of per 32 (U6_X: a scale only).
 constexpr bool halves(int64_t l) { return l == U8_HALVES || l == U6_K || l == U6_X; }
 // Q6_K's weights are sw * (wq - 32): the AVX-512 and AVX2 kernels take the
 // 32 off in integers (see group_avx512), so U6_X records need no cw.
 constexpr bool q6_offset(int64_t l) { return l == U6_K || l == U6_X; }
 // Weights of at most 6 bits, whatever their packing (see small_dots256).
-constexpr bool narrow(int64_t l) { return four_bit(l) || l == U6_X; }
+constexpr bool narrow(int64_t l) { return four_bit(l) || l == U6_X || l == U4_X; }
 constexpr int64_t scale_bytes(int64_t l) { return f32_scales(l) ? 4 : 2; }
 // Scale vectors of 16 per record: (sw, cw), or (sw lo, sw hi, cw lo, cw hi).
 constexpr int64_t scale_sets(int64_t l) { return l == U8_HALVES ? 4 : 2; }
@@ -362,8 +366,8 @@ struct Args {
   float* y;
   int64_t K, nb, N, format;
   // This group's records where they are not at packed + g * group_bytes
-  // (expand_group512's or expand_group256's copy, which run_item gives to
-  // the AVX-512 and AVX2 kernels).
+  // (expand_group512's or expand_bytes256's copy, which run_item gives to
+  // the AVX-512 kernel and group_avx2_bytes).
   const uint8_t* records = nullptr;
 
   Args(const uint8_t* packed, const QuantizedRows& q, float* y, int64_t K, int64_t N, int64_t format)
@@ -699,12 +703,6 @@ __attribute__((target("avx2,f16c"))) inline void scales256(const uint8_t* head, 
         sw[k][h] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes8(head + K6_SC + NG * (2 * j + k) + 8 * h))));
         cw[k][h] = _mm256_mul_ps(sw[k][h], _mm256_set1_ps(-32.f));
       }
-    } else if constexpr (F == U6_X) {
-      const float* s = reinterpret_cast<const float*>(head);
-      for (int k = 0; k < 2; ++k) {
-        sw[k][h] = _mm256_loadu_ps(s + 16 * k + 8 * h);
-        cw[k][h] = _mm256_setzero_ps();  // unused: q6_offset
-      }
     } else if constexpr (halves(F)) {
       const float* s = reinterpret_cast<const float*>(head);
       for (int k = 0; k < 2; ++k) {
@@ -816,10 +814,13 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_avx2(const Args& a, 
   }
 }
 
-// expand_group512 for the 256-bit kernels: the same records, bit for bit.
+// A nibble-packed group's records for group_avx2_bytes: the same float32
+// scales (as scales256 forms them from the records) and the weights unpacked
+// to bytes: U6_X from U6_K (expand_group512's copy), U4_X from the others.
 template <int64_t F>
-__attribute__((target("avx2,f16c"))) void expand_group256(const uint8_t* group, int64_t nb, uint8_t* out) {
-  constexpr int64_t T = expanded_layout(F);
+__attribute__((target("avx2,f16c"))) void expand_bytes256(const uint8_t* group, int64_t nb, uint8_t* out) {
+  static_assert(four_bit(F), "a nibble-packed layout");
+  constexpr int64_t T = six_bit(F) ? U6_X : U4_X;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t *head, *wp;
     locate(F, group, b, head, wp);
@@ -827,18 +828,98 @@ __attribute__((target("avx2,f16c"))) void expand_group256(const uint8_t* group, 
     scales256<F>(head, b, sw, cw);
     uint8_t* rec = out + b * record_bytes(T);
     float* scales = reinterpret_cast<float*>(rec);
-    for (int h = 0; h < 2; ++h) {  // U4_F32: [sw][cw]; U6_X: [sw lo][sw hi]
+    for (int h = 0; h < 2; ++h) {  // U4_X: [sw][cw]; U6_X: [sw lo][sw hi]
       _mm256_storeu_ps(scales + 8 * h, sw[0][h]);
       _mm256_storeu_ps(scales + 16 + 8 * h, T == U6_X ? sw[1][h] : cw[0][h]);
     }
-    auto store = [](uint8_t* p, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); };
-    if constexpr (four_bit(T)) {  // the same nibble records
-      for (int c = 0; c < 8; ++c) store(rec + header_bytes(T) + 32 * c, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32 * c)));
+    __m256i w[8][2];
+    weights256<F>(wp, w);
+    for (int c = 0; c < 8; ++c)
+      for (int h = 0; h < 2; ++h)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(rec + header_bytes(T) + 64 * c + 32 * h), w[c][h]);
+  }
+}
+
+// The AVX2 kernel without VNNI for big steps, on a group's records with
+// the weights unpacked to bytes (U4_X from the 4-bit layouts, U6_X from
+// U6_K, made once per work item by expand_bytes256): for each K-chunk, the
+// two weight vectors of the group's 16 outputs are loaded once into
+// registers and multiplied with the chunk of every row of the tile, into
+// 16-bit sums that stay in registers (4-bit weights: all 8 chunks; Q6_K's:
+// two at a time, as small_dots256 sums them). group_avx2 instead holds a
+// whole block's 16 weight vectors, more than AVX2's 16 registers with its
+// accumulators, and reloads them from the stack for every row; here a tile
+// of 3 rows needs 2 weight vectors, a broadcast and 6 sums at a time. The
+// int32 sums are group_avx2's, exactly, and the float32 arithmetic after
+// them the same, so results are the same bits.
+template <int R, int64_t F>
+__attribute__((target("avx2,fma"))) void group_avx2_bytes(const Args& a, int64_t g, int64_t r0) {
+  static_assert(F == U4_X || F == U6_X, "weights of at most 6 bits, one byte each");
+  constexpr bool Q6 = F == U6_X;
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int32_t* x[R];
+  for (int r = 0; r < R; ++r) x[r] = reinterpret_cast<const int32_t*>(a.xq + (r0 + r) * a.K);
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t* rec = a.records + b * record_bytes(F);
+    const int64_t xi = r0 * a.nb + b;
+    // d[k][r][h]: Q6_K's dot of values 16k .. 16k + 15, with the 32 taken
+    // off (see group_avx512); for 4-bit weights d[0] of all 32.
+    __m256i s[R][2], d[2][R][2];
+    if constexpr (Q6)
+      for (int r = 0; r < R; ++r)
+        for (int k = 0; k < 2; ++k)
+          d[k][r][0] = d[k][r][1] = _mm256_set1_epi32(-32 * (k ? a.sum_hi : a.sum_lo)[xi + r * a.nb]);
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      __m256i w[2];
+      for (int h = 0; h < 2; ++h) {
+        w[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + header_bytes(F) + 64 * c + 32 * h));
+        asm("" : "+x"(w[h]));  // one load for all the tile's rows, not one folded into each product
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256i xb = _mm256_set1_epi32(x[r][8 * b + c]);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i p = _mm256_maddubs_epi16(w[h], xb);
+          s[r][h] = c % (Q6 ? 2 : 8) == 0 ? p : _mm256_add_epi16(s[r][h], p);
+          asm("" : "+x"(s[r][h]));  // summed as it goes (GCC otherwise holds all 32 products, spilling them)
+        }
+      }
+      if (c % 2 == 1 && (Q6 || c == 7))
+        for (int r = 0; r < R; ++r)
+          for (int h = 0; h < 2; ++h) {
+            const __m256i v = _mm256_madd_epi16(s[r][h], ones);
+            d[Q6 ? c / 4 : 0][r][h] = Q6 ? _mm256_add_epi32(d[c / 4][r][h], v) : v;
+          }
+    }
+    const float* scales = reinterpret_cast<const float*>(rec);
+    for (int r = 0; r < R; ++r) {
+      const __m256 scale = _mm256_set1_ps(a.dx[xi + r * a.nb]);
+      for (int h = 0; h < 2; ++h) {
+        const __m256 sw = _mm256_loadu_ps(scales + 8 * h), second = _mm256_loadu_ps(scales + 16 + 8 * h);
+        if constexpr (Q6) {
+          const __m256 both = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[1][r][h]), second,
+                                              _mm256_mul_ps(_mm256_cvtepi32_ps(d[0][r][h]), sw));
+          acc[r][h] = _mm256_fmadd_ps(both, scale, acc[r][h]);
+        } else {
+          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[0][r][h]), _mm256_mul_ps(sw, scale), acc[r][h]);
+          acc[r][h] = _mm256_fmadd_ps(second, _mm256_set1_ps(a.sx[xi + r * a.nb]), acc[r][h]);
+        }
+      }
+    }
+  }
+  const int64_t n0 = g * NG;
+  for (int r = 0; r < R; ++r) {
+    float* out = a.y + (r0 + r) * a.N + n0;
+    if (a.N - n0 >= NG) {
+      _mm256_storeu_ps(out, acc[r][0]);
+      _mm256_storeu_ps(out + 8, acc[r][1]);
     } else {
-      __m256i w[8][2];
-      weights256<F>(wp, w);
-      for (int c = 0; c < 8; ++c)
-        for (int h = 0; h < 2; ++h) store(rec + header_bytes(T) + 64 * c + 32 * h, w[c][h]);
+      alignas(32) float tmp[NG];
+      _mm256_store_ps(tmp, acc[r][0]);
+      _mm256_store_ps(tmp + 8, acc[r][1]);
+      std::copy(tmp, tmp + (a.N - n0), out);
     }
   }
 }
@@ -1078,19 +1159,39 @@ void with_layout(int64_t format, const Fn& fn) {
   }
 }
 
-// Rows per work item from which a K-quant group is expanded first.
-// (U4_K forms its scale pairs cheaply enough that 16-row decode steps ran
-// 15% faster without the copy; U6_K gained from 16 rows. The AVX2 kernel
-// without VNNI, one thread on Zen 3: U6_K 84 -> 97 GOP/s at 16 rows, 88 ->
-// 103-115 at 32; U4_K within 5% either way.)
+// Rows per work item from which the AVX-512 kernel expands a K-quant group
+// first. (U4_K forms its scale pairs cheaply enough that 16-row decode steps
+// ran 15% faster without the copy; U6_K gained from 16 rows.)
 constexpr int64_t expand_rows(int64_t layout) { return layout == U4_K ? 32 : 16; }
+// The AVX2 kernel without VNNI: rows per work item from which a 4- or 6-bit
+// group's weights are unpacked to bytes for group_avx2_bytes, and its tile.
+// One thread, one 2,048 x 2,048 layer, Zen 3, GOP/s, the same call taking
+// turns with group_avx2: Q4_K 4 rows 91 -> 83, 6: 83 -> 99, 16: 97 -> 141,
+// 256: ~118 -> 179-187; Q6_K 8: 62 -> 82, 16: 92 -> 99, 256: ~111 -> 130-136.
+// Tiles of 3 rows: 2 gave Q4_K 166-168 at 64-256 rows, 4 174-179.
+constexpr int64_t BYTES_ROWS = 6;
+constexpr int TILE_BYTES = 3;
 
 // One work item of q8_linear / grouped_block_linear: group g for a's M rows.
 void run_item(Isa isa, const Args& a, int64_t g, int64_t M) {
 #ifdef SLUICE_X86
+  if (isa == ISA_AVX2 && four_bit(a.format) && M >= BYTES_ROWS) {
+    const int64_t T = six_bit(a.format) ? U6_X : U4_X;
+    thread_local std::vector<uint8_t> scratch;
+    scratch.resize(a.nb * record_bytes(T));
+    const uint8_t* group = a.packed + g * group_bytes(a.format, a.nb);
+    Args sub = a;
+    sub.records = scratch.data();
+    sub.format = T;
+    with_layout(a.format, [&](auto F) {
+      if constexpr (four_bit(decltype(F)::value)) expand_bytes256<decltype(F)::value>(group, a.nb, scratch.data());
+    });
+    if (T == U6_X)
+      return in_tiles<TILE_BYTES>(M, [&](auto R, int64_t r0) { group_avx2_bytes<decltype(R)::value, U6_X>(sub, g, r0); });
+    return in_tiles<TILE_BYTES>(M, [&](auto R, int64_t r0) { group_avx2_bytes<decltype(R)::value, U4_X>(sub, g, r0); });
+  }
   // The AVX-VNNI kernel does not expand: not measured on a host that has it.
-  const bool wide = isa == ISA_AVX512_VNNI;
-  if ((wide || isa == ISA_AVX2) && super_blocks(a.format) && M >= expand_rows(a.format)) {
+  if (isa == ISA_AVX512_VNNI && super_blocks(a.format) && M >= expand_rows(a.format)) {
     thread_local std::vector<uint8_t> scratch;
     scratch.resize(a.nb * record_bytes(expanded_layout(a.format)));
     const uint8_t* group = a.packed + g * group_bytes(a.format, a.nb);
@@ -1098,16 +1199,11 @@ void run_item(Isa isa, const Args& a, int64_t g, int64_t M) {
     sub.records = scratch.data();
     sub.format = expanded_layout(a.format);
     if (a.format == U4_K) {
-      if (wide) expand_group512<U4_K>(group, a.nb, scratch.data());
-      else expand_group256<U4_K>(group, a.nb, scratch.data());
+      expand_group512<U4_K>(group, a.nb, scratch.data());
       return run_group<U4_F32>(isa, sub, g, M);
     }
-    if (wide) {
-      expand_group512<U6_K>(group, a.nb, scratch.data());
-      return in_tiles<TILE_AVX512>(M, [&](auto R, int64_t r0) { group_avx512<decltype(R)::value, U6_X>(sub, g, r0); });
-    }
-    expand_group256<U6_K>(group, a.nb, scratch.data());
-    return in_tiles<TILE_AVX2>(M, [&](auto R, int64_t r0) { group_avx2<decltype(R)::value, U6_X, false>(sub, g, r0); });
+    expand_group512<U6_K>(group, a.nb, scratch.data());
+    return in_tiles<TILE_AVX512>(M, [&](auto R, int64_t r0) { group_avx512<decltype(R)::value, U6_X>(sub, g, r0); });
   }
 #endif
   with_layout(a.format, [&](auto F) { run_group<decltype(F)::value>(isa, a, g, M); });
@@ -1316,8 +1412,10 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) int64_t dot_rounds_avx512
 }
 
 __attribute__((target("avx2"))) int64_t dot_rounds_avx2(int64_t iterations) {
-  const __m256i w = _mm256_set1_epi8(3), x = _mm256_set1_epi8(-1);
-#define DOT256(a) _mm256_add_epi16(a, _mm256_maddubs_epi16(w, x))
+  const __m256i w = _mm256_set1_epi8(3);
+  // The signed operand is the accumulator itself: with two constants, the
+  // product would be computed once, outside the loop, leaving only the adds.
+#define DOT256(a) _mm256_add_epi16(a, _mm256_maddubs_epi16(w, a))
   DOT_ROUNDS(__m256i, "x", _mm256_set1_epi16, DOT256, _mm256_add_epi16)
 #undef DOT256
   return 12 * 32 * 2;
