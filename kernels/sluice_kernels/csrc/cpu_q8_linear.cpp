@@ -719,6 +719,26 @@ __attribute__((target("avx2,f16c"))) inline void scales256(const uint8_t* head, 
   }
 }
 
+// The 256-bit kernels' results: rows r0 .. r0 + R - 1 of group g's 16
+// outputs, as two halves of 8 (the last group's outputs may stop short).
+template <int R>
+__attribute__((target("avx2"))) inline void store_rows256(const __m256 (&acc)[R][2], const Args& a, int64_t g,
+                                                          int64_t r0) {
+  const int64_t n0 = g * NG;
+  for (int r = 0; r < R; ++r) {
+    float* out = a.y + (r0 + r) * a.N + n0;
+    if (a.N - n0 >= NG) {
+      _mm256_storeu_ps(out, acc[r][0]);
+      _mm256_storeu_ps(out + 8, acc[r][1]);
+    } else {
+      alignas(32) float tmp[NG];
+      _mm256_store_ps(tmp, acc[r][0]);
+      _mm256_store_ps(tmp + 8, acc[r][1]);
+      std::copy(tmp, tmp + (a.N - n0), out);
+    }
+  }
+}
+
 template <int R, int64_t F, bool VNNI>
 __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_avx2(const Args& a, int64_t g, int64_t r0) {
   __m256 acc[R][2];
@@ -799,19 +819,7 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_avx2(const Args& a, 
       }
     }
   }
-  const int64_t n0 = g * NG;
-  for (int r = 0; r < R; ++r) {
-    float* out = a.y + (r0 + r) * a.N + n0;
-    if (a.N - n0 >= NG) {
-      _mm256_storeu_ps(out, acc[r][0]);
-      _mm256_storeu_ps(out + 8, acc[r][1]);
-    } else {
-      alignas(32) float tmp[NG];
-      _mm256_store_ps(tmp, acc[r][0]);
-      _mm256_store_ps(tmp + 8, acc[r][1]);
-      std::copy(tmp, tmp + (a.N - n0), out);
-    }
-  }
+  store_rows256<R>(acc, a, g, r0);
 }
 
 // A nibble-packed group's records for group_avx2_bytes: the same float32
@@ -909,19 +917,7 @@ __attribute__((target("avx2,fma"))) void group_avx2_bytes(const Args& a, int64_t
       }
     }
   }
-  const int64_t n0 = g * NG;
-  for (int r = 0; r < R; ++r) {
-    float* out = a.y + (r0 + r) * a.N + n0;
-    if (a.N - n0 >= NG) {
-      _mm256_storeu_ps(out, acc[r][0]);
-      _mm256_storeu_ps(out + 8, acc[r][1]);
-    } else {
-      alignas(32) float tmp[NG];
-      _mm256_store_ps(tmp, acc[r][0]);
-      _mm256_store_ps(tmp + 8, acc[r][1]);
-      std::copy(tmp, tmp + (a.N - n0), out);
-    }
-  }
+  store_rows256<R>(acc, a, g, r0);
 }
 
 #endif
