@@ -1168,37 +1168,39 @@ constexpr int64_t expand_rows(int64_t layout) { return layout == U4_K ? 32 : 16;
 constexpr int64_t BYTES_ROWS = 6;
 constexpr int TILE_BYTES = 3;
 
+// a for group g's records rewritten as `layout` by expand(group, out) into
+// a buffer of the calling thread's (a work item's copy, see run_item).
+template <typename Expand>
+Args expanded_args(const Args& a, int64_t g, int64_t layout, const Expand& expand) {
+  thread_local std::vector<uint8_t> scratch;
+  scratch.resize(a.nb * record_bytes(layout));
+  expand(a.packed + g * group_bytes(a.format, a.nb), scratch.data());
+  Args sub = a;
+  sub.records = scratch.data();
+  sub.format = layout;
+  return sub;
+}
+
 // One work item of q8_linear / grouped_block_linear: group g for a's M rows.
 void run_item(Isa isa, const Args& a, int64_t g, int64_t M) {
 #ifdef SLUICE_X86
   if (isa == ISA_AVX2 && four_bit(a.format) && M >= BYTES_ROWS) {
-    const int64_t T = six_bit(a.format) ? U6_X : U4_X;
-    thread_local std::vector<uint8_t> scratch;
-    scratch.resize(a.nb * record_bytes(T));
-    const uint8_t* group = a.packed + g * group_bytes(a.format, a.nb);
-    Args sub = a;
-    sub.records = scratch.data();
-    sub.format = T;
-    with_layout(a.format, [&](auto F) {
-      if constexpr (four_bit(decltype(F)::value)) expand_bytes256<decltype(F)::value>(group, a.nb, scratch.data());
+    const Args sub = expanded_args(a, g, six_bit(a.format) ? U6_X : U4_X, [&](const uint8_t* group, uint8_t* out) {
+      with_layout(a.format, [&](auto F) {
+        if constexpr (four_bit(decltype(F)::value)) expand_bytes256<decltype(F)::value>(group, a.nb, out);
+      });
     });
-    if (T == U6_X)
+    if (sub.format == U6_X)
       return in_tiles<TILE_BYTES>(M, [&](auto R, int64_t r0) { group_avx2_bytes<decltype(R)::value, U6_X>(sub, g, r0); });
     return in_tiles<TILE_BYTES>(M, [&](auto R, int64_t r0) { group_avx2_bytes<decltype(R)::value, U4_X>(sub, g, r0); });
   }
   // The AVX-VNNI kernel does not expand: not measured on a host that has it.
   if (isa == ISA_AVX512_VNNI && super_blocks(a.format) && M >= expand_rows(a.format)) {
-    thread_local std::vector<uint8_t> scratch;
-    scratch.resize(a.nb * record_bytes(expanded_layout(a.format)));
-    const uint8_t* group = a.packed + g * group_bytes(a.format, a.nb);
-    Args sub = a;
-    sub.records = scratch.data();
-    sub.format = expanded_layout(a.format);
-    if (a.format == U4_K) {
-      expand_group512<U4_K>(group, a.nb, scratch.data());
-      return run_group<U4_F32>(isa, sub, g, M);
-    }
-    expand_group512<U6_K>(group, a.nb, scratch.data());
+    const Args sub = expanded_args(a, g, expanded_layout(a.format), [&](const uint8_t* group, uint8_t* out) {
+      if (a.format == U4_K) expand_group512<U4_K>(group, a.nb, out);
+      else expand_group512<U6_K>(group, a.nb, out);
+    });
+    if (a.format == U4_K) return run_group<U4_F32>(isa, sub, g, M);
     return in_tiles<TILE_AVX512>(M, [&](auto R, int64_t r0) { group_avx512<decltype(R)::value, U6_X>(sub, g, r0); });
   }
 #endif
