@@ -42,7 +42,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
@@ -298,6 +298,115 @@ void attend_part_avx512(const float* __restrict q, const Keys<T>& keys, int64_t 
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// 8 cache elements as float32 (a bf16 widened as load16 does).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// The 8 lane sums of v[0..8), in order: two rounds of HADD leave each
+// vector's sums of lanes 0-3 and 4-7 in the two 128-bit halves, one add
+// across the halves finishes them.
+inline __m256 sum8(const __m256 v[8]) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// One work item on AVX2 hosts, for D = 8 * DV (DV a multiple of 8): the
+// generic loops reduce every key's dot product horizontally and widen a
+// bfloat16 row once per query head; here each key row is widened once per
+// item, its dot products with up to 8 query heads (scaled beforehand, as the
+// AVX-512 kernel's are) stay vectors until 8 keys' are folded at once
+// (sum8), and the values are accumulated 64 dimensions at a time in
+// registers against rows widened once into a float32 copy.
+template <typename T, int DV>
+void attend_part_avx2(const float* __restrict q, const Keys<T>& keys, int64_t G, float scale,
+                      std::vector<float>& scratch, const Partial& out) {
+  static_assert(DV % 8 == 0, "whole runs of 64 dimensions");
+  constexpr int64_t D = DV * 8;
+  constexpr bool widen_rows = !std::is_same_v<T, float>;
+  const int64_t n = keys.t1 - keys.t0;  // <= PART
+  // scores [G][PART], q * scale [G][D], a row's dot vectors [8 keys][8 heads][8], values as float32 [PART][D]
+  scratch.resize(G * PART + G * D + 64 * 8 + (widen_rows ? PART * D : 0));
+  float* scores = scratch.data();
+  float* qs = scores + G * PART;
+  float* dots = qs + G * D;
+  float* values = dots + 64 * 8;
+  int64_t at[PART];
+  keys.offsets(at);
+  const __m256 sv = _mm256_set1_ps(scale);
+  for (int64_t j = 0; j < G * DV; ++j) _mm256_storeu_ps(qs + 8 * j, _mm256_mul_ps(_mm256_loadu_ps(q + 8 * j), sv));
+  for (int64_t g0 = 0; g0 < G; g0 += 8) {
+    const int64_t gb = std::min<int64_t>(8, G - g0);
+    for (int64_t i0 = 0; i0 < n; i0 += 8) {
+      const int64_t cnt = std::min<int64_t>(8, n - i0);
+      for (int64_t i = 0; i < 8; ++i) {
+        __m256 a[8];
+        for (int g = 0; g < 8; ++g) a[g] = _mm256_setzero_ps();
+        if (i < cnt) {
+          const T* row = keys.k + at[i0 + i];
+          if (g0 == 0) {
+            if (i0 + 8 + i < n) prefetch_row(keys.k + at[i0 + 8 + i], D);
+            prefetch_row(keys.v + at[i0 + i], D);
+          }
+          for (int c = 0; c < DV; ++c) {
+            const __m256 kc = load8(row + 8 * c);
+            for (int g = 0; g < 8; ++g)
+              if (g < gb) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + (g0 + g) * D + 8 * c), kc, a[g]);
+          }
+        }
+        for (int g = 0; g < 8; ++g) _mm256_storeu_ps(dots + (g * 8 + i) * 8, a[g]);
+      }
+      for (int64_t g = 0; g < gb; ++g) {
+        __m256 v[8];
+        for (int i = 0; i < 8; ++i) v[i] = _mm256_loadu_ps(dots + (g * 8 + i) * 8);
+        alignas(32) float s[8];
+        _mm256_store_ps(s, sum8(v));
+        std::copy(s, s + cnt, scores + (g0 + g) * PART + i0);
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * PART;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < n; ++t) m = std::max(m, sg[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      sg[t] = exp_nonpositive(sg[t] - m);
+      sum += sg[t];
+    }
+    out.m[g] = m;
+    out.l[g] = sum;
+  }
+  // Values: the rows widened once (bf16), then per head and run of 64
+  // dimensions 8 accumulators against every key.
+  const float* vrow[PART];
+  for (int64_t i = 0; i < n; ++i) {
+    const T* row = keys.v + at[i];
+    if constexpr (widen_rows) {
+      for (int c = 0; c < DV; ++c) _mm256_storeu_ps(values + i * D + 8 * c, load8(row + 8 * c));
+      vrow[i] = values + i * D;
+    } else {
+      vrow[i] = row;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int c0 = 0; c0 < DV; c0 += 8) {
+      __m256 acc[8];
+      for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < n; ++i) {
+        const __m256 w = _mm256_set1_ps(scores[g * PART + i]);
+        for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vrow[i] + 8 * (c0 + c)), acc[c]);
+      }
+      for (int c = 0; c < 8; ++c) _mm256_storeu_ps(out.acc + g * D + 8 * (c0 + c), acc[c]);
+    }
+}
+#endif
+
 template <typename T>
 void attend_part(const float* q, const Keys<T>& keys, int64_t G, int64_t D, float scale, std::vector<float>& scores,
                  const Partial& out) {
@@ -305,6 +414,9 @@ void attend_part(const float* q, const Keys<T>& keys, int64_t G, int64_t D, floa
   scores.resize(std::max<int64_t>(G, 8) * PART);
   if (D == 64) return attend_part_avx512<T, 4, 4>(q, keys, G, scale, scores.data(), out);
   if (D == 128) return attend_part_avx512<T, 8, 2>(q, keys, G, scale, scores.data(), out);
+#elif defined(__AVX2__) && defined(__FMA__)
+  if (D == 64) return attend_part_avx2<T, 8>(q, keys, G, scale, scores, out);
+  if (D == 128) return attend_part_avx2<T, 16>(q, keys, G, scale, scores, out);
 #endif
   attend_part_generic(q, keys, G, D, scale, scores, out);
 }
