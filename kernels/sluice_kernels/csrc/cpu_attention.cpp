@@ -71,6 +71,18 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// s[t] = e^(s[t] - m) for the n scores of one head (m their maximum);
+// returns their sum, the softmax's denominator for this part.
+inline float exp_scores(float* s, int64_t n, float m) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = exp_nonpositive(s[t] - m);
+    sum += s[t];
+  }
+  return sum;
+}
+
 // Keys per context part. Fixed, so a sequence's parts (and its result, bit
 // for bit) depend on its own keys alone; a one-sequence step of a 1,000-key
 // context still has 8 x Hkv items for the threads.
@@ -146,17 +158,7 @@ void attend_part_generic(const float* __restrict q, const Keys<T>& keys, int64_t
       out.m[g] = std::max(out.m[g], sc);
     }
   }
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = scores.data() + g * n;
-    const float m = out.m[g];
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < n; ++t) {
-      sg[t] = exp_nonpositive(sg[t] - m);
-      sum += sg[t];
-    }
-    out.l[g] = sum;
-  }
+  for (int64_t g = 0; g < G; ++g) out.l[g] = exp_scores(scores.data() + g * n, n, out.m[g]);
   std::fill(out.acc, out.acc + G * D, 0.f);
   for (int64_t t = keys.t0; t < keys.t1; ++t) {
     const T* row = keys.v + at[t - keys.t0];
@@ -371,16 +373,8 @@ void attend_part_avx2(const float* __restrict q, const Keys<T>& keys, int64_t G,
   }
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * PART;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < n; ++t) m = std::max(m, sg[t]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < n; ++t) {
-      sg[t] = exp_nonpositive(sg[t] - m);
-      sum += sg[t];
-    }
-    out.m[g] = m;
-    out.l[g] = sum;
+    out.m[g] = *std::max_element(sg, sg + n);
+    out.l[g] = exp_scores(sg, n, out.m[g]);
   }
   // Values: the rows widened once (bf16), then per head and run of 64
   // dimensions 8 accumulators against every key.
