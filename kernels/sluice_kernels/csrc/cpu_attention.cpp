@@ -360,7 +360,7 @@ void attend_part_avx2(const float* __restrict q, const Keys<T>& keys, int64_t G,
               if (g < gb) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + (g0 + g) * D + 8 * c), kc, a[g]);
           }
         }
-        for (int g = 0; g < 8; ++g) _mm256_storeu_ps(dots + (g * 8 + i) * 8, a[g]);
+        for (int g = 0; g < gb; ++g) _mm256_storeu_ps(dots + (g * 8 + i) * 8, a[g]);
       }
       for (int64_t g = 0; g < gb; ++g) {
         __m256 v[8];

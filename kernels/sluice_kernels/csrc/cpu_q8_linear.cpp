@@ -745,8 +745,8 @@ __attribute__((target("avx2"))) inline void store_rows256(const __m256 (&acc)[R]
 // block in use (past the group's end, the next group's, the work items'
 // order). The hardware prefetchers alone left it at 20-22 GB/s on a Zen 3
 // host whose large copies run at 28-32; 3-8 KiB ahead gave 27-29 GB/s
-// (Q4_K, Q6_K), 1 KiB 23, and the 1B Q4_K_M decode step went from 40.5 to
-// 34.5 ms. (Steps of 2+ rows are bound by arithmetic: no gain there.)
+// (Q4_K, Q6_K), 1 KiB 23, and the 1B Q4_K_M decode step went from 38.1-38.8
+// to 31.0 ms (benchmarks/README.md). (Steps of 2+ rows are bound by arithmetic: no gain there.)
 constexpr int64_t PREFETCH_AHEAD = 4096;
 
 template <int R, int64_t F, bool VNNI>
