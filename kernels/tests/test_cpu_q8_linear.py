@@ -222,6 +222,28 @@ def test_a_row_does_not_depend_on_the_other_rows(fmt, linear):
         assert torch.equal(all_rows[rows], linear(x[rows], w, LAYOUTS[fmt]))
 
 
+@pytest.mark.parametrize("linear", [q8_linear, exact_linear], ids=["int8", "exact"])
+@pytest.mark.parametrize("n", [16, 40, 1000])  # one group of outputs (fewer than the threads), 3, 63
+@pytest.mark.parametrize("rows", [1, 9, 300])
+def test_the_threads_share_the_work_items_whatever_their_number(linear, n, rows):
+    """Items go to the threads in ranges that a thread done early takes from
+    at the far end: every output is computed once and is the same bits with
+    1, 2 or 3 threads (a lost chunk leaves the output's uninitialized memory;
+    the one-thread result is checked against the reference by the tests above)."""
+    w = records("Q4_K", n, 512, seed=13)
+    x = randn(rows, 512, seed=14)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = linear(x, w, LAYOUTS["Q4_K"])
+        for t in (2, 3):
+            torch.set_num_threads(t)
+            for _ in range(5):
+                assert torch.equal(linear(x, w, LAYOUTS["Q4_K"]), want), t
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("fmt", sorted(LAYOUTS))
 def test_int8_activations_stay_close_to_the_float_matmul(fmt):
     """The only approximation: x rounded to 8 bits per block of 32. Its error
