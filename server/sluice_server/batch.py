@@ -306,15 +306,23 @@ def build_batch(work: list[Work], block_size: int, device: torch.device) -> Batc
     max_blocks = max(-(-e // block_size) for e in seq_lens)
     tables = [w.block_ids[:max_blocks] + [0] * (max_blocks - len(w.block_ids[:max_blocks])) for w in work]
 
-    cpu = torch.device("cpu")
-    q_lens_t = torch.tensor(q_lens, dtype=torch.int64, device=cpu)
-    query_start_loc = torch.zeros(len(work) + 1, dtype=torch.int64)
-    torch.cumsum(q_lens_t, 0, out=query_start_loc[1:])
-    seq_of_token = torch.repeat_interleave(torch.arange(len(work)), q_lens_t)
-    offset = torch.tensor(starts, dtype=torch.int64) - query_start_loc[:-1]
-    positions = torch.arange(len(tokens), dtype=torch.int64) + offset[seq_of_token]
     block_tables = torch.tensor(tables, dtype=torch.int64)
-    slots = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+    if num_decodes == len(work):
+        # Decodes only, the commonest step: a token's position is its
+        # sequence's start, taken from the lists (the ops below cost ~0.1 ms,
+        # 2% of a SmolLM2-135M decode step on 2 cores).
+        query_start_loc = torch.arange(len(work) + 1, dtype=torch.int64)
+        positions = torch.tensor(starts, dtype=torch.int64)
+        slots = torch.tensor([w.block_ids[p // block_size] * block_size + p % block_size for w, p in zip(work, starts)],
+                             dtype=torch.int64)
+    else:
+        q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
+        query_start_loc = torch.zeros(len(work) + 1, dtype=torch.int64)
+        torch.cumsum(q_lens_t, 0, out=query_start_loc[1:])
+        seq_of_token = torch.repeat_interleave(torch.arange(len(work)), q_lens_t)
+        offset = torch.tensor(starts, dtype=torch.int64) - query_start_loc[:-1]
+        positions = torch.arange(len(tokens), dtype=torch.int64) + offset[seq_of_token]
+        slots = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
 
     logits_rows: list[tuple[int, int]] = []
     indices: list[int] = []
