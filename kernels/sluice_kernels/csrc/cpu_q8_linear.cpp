@@ -416,6 +416,27 @@ void group_scalar(const Args& a, int64_t g, int64_t r0, int64_t R) {
 }
 
 #ifdef SLUICE_X86
+// How far ahead of the block in use a matmul asks for its weights (past a
+// group's end, the next group's: a thread's work items run in order), where
+// the hardware prefetchers alone leave it waiting on memory:
+// - group_avx2<1>, a one-row matmul (a decode step) on AVX2: it reads each
+//   weight once and is bound by memory. The prefetchers alone left it at
+//   20-22 GB/s on a Zen 3 host whose large copies run at 28-32; 3-8 KiB
+//   ahead gave 27-29 GB/s (Q4_K, Q6_K), 1 KiB 23, and the 1B Q4_K_M decode
+//   step went from 38.1-38.8 to 31.0 ms (benchmarks/README.md). Steps of 2+
+//   rows there are bound by arithmetic: no gain.
+// - group_avx512, the first register tile of a work item of 2+ rows on the
+//   group's own blocks, not an expanded copy (the weights come from memory
+//   once per item, the other tiles find them in L1): with AVX-512 a few
+//   rows' arithmetic is fast enough to wait on each group's weights. Zen 4,
+//   one 16,384 x 2,048 Q4_K layer, GOP/s: 4 rows 251 -> 348, 8: 323 -> 398,
+//   16: 399 -> 463; 1B Q4_K_M decode steps of 4, 8 and 16 rows 25%, 16% and
+//   7% shorter (2 and 8 KiB ahead within 3% of 4). Its one-row steps ask
+//   for nothing: there the same prefetch was level 2 KiB ahead and 1-4%
+//   slower 1 and 4 KiB ahead (400 pairs of steps taking turns); expanding a
+//   group (expand_group512) was level with it too.
+constexpr int64_t PREFETCH_AHEAD = 4096;
+
 // The vector forms of block_weights / block_scales: a block's weights for
 // the group's 16 outputs as 8 chunks of 4 values, and its scale pairs.
 template <int64_t F>
@@ -506,6 +527,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void group_
   for (int64_t b = 0; b < a.nb; ++b) {
     const uint8_t *head, *wp;
     locate(F, group, b, head, wp);
+    if (R > 1 && r0 == 0 && !a.records)  // the item's first tile: see PREFETCH_AHEAD
+      for (int64_t o = 0; o < weight_bytes(F); o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(wp + PREFETCH_AHEAD + o), _MM_HINT_T0);
     __m512i w[8];
     weights512<F>(wp, w);
     if constexpr (super_blocks(F))
@@ -740,15 +764,6 @@ __attribute__((target("avx2"))) inline void store_rows256(const __m256 (&acc)[R]
     }
   }
 }
-
-// A one-row matmul (a decode step) reads each weight once and is bound by
-// memory: group_avx2<1> asks for the weights this many bytes ahead of the
-// block in use (past the group's end, the next group's, the work items'
-// order). The hardware prefetchers alone left it at 20-22 GB/s on a Zen 3
-// host whose large copies run at 28-32; 3-8 KiB ahead gave 27-29 GB/s
-// (Q4_K, Q6_K), 1 KiB 23, and the 1B Q4_K_M decode step went from 38.1-38.8
-// to 31.0 ms (benchmarks/README.md). (Steps of 2+ rows are bound by arithmetic: no gain there.)
-constexpr int64_t PREFETCH_AHEAD = 4096;
 
 template <int R, int64_t F, bool VNNI>
 __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_avx2(const Args& a, int64_t g, int64_t r0) {
