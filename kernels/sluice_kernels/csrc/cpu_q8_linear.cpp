@@ -434,7 +434,7 @@ void group_scalar(const Args& a, int64_t g, int64_t r0, int64_t R) {
 //   7% shorter (2 and 8 KiB ahead within 3% of 4). Its one-row steps ask
 //   for nothing: there the same prefetch was level 2 KiB ahead and 1-4%
 //   slower 1 and 4 KiB ahead (400 pairs of steps taking turns); expanding a
-//   group (expand_group512) was level with it too.
+//   group with it (expand_group512) gained 0-3%, so it does not.
 constexpr int64_t PREFETCH_AHEAD = 4096;
 
 // The vector forms of block_weights / block_scales: a block's weights for
