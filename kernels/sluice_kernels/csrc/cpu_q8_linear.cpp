@@ -437,6 +437,13 @@ void group_scalar(const Args& a, int64_t g, int64_t r0, int64_t R) {
 //   group with it (expand_group512) gained 0-3%, so it does not.
 constexpr int64_t PREFETCH_AHEAD = 4096;
 
+// Asks for the weights of the block PREFETCH_AHEAD bytes past the one at wp.
+template <int64_t F>
+inline void ask_ahead(const uint8_t* wp) {
+  for (int64_t o = 0; o < weight_bytes(F); o += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(wp + PREFETCH_AHEAD + o), _MM_HINT_T0);
+}
+
 // The vector forms of block_weights / block_scales: a block's weights for
 // the group's 16 outputs as 8 chunks of 4 values, and its scale pairs.
 template <int64_t F>
@@ -528,8 +535,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void group_
     const uint8_t *head, *wp;
     locate(F, group, b, head, wp);
     if (R > 1 && r0 == 0 && !a.records)  // the item's first tile: see PREFETCH_AHEAD
-      for (int64_t o = 0; o < weight_bytes(F); o += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(wp + PREFETCH_AHEAD + o), _MM_HINT_T0);
+      ask_ahead<F>(wp);
     __m512i w[8];
     weights512<F>(wp, w);
     if constexpr (super_blocks(F))
@@ -778,8 +784,7 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_avx2(const Args& a, 
     const uint8_t *head, *wp;
     locate(F, group, b, head, wp);
     if (R == 1 && !a.records)  // a decode step's matmul: see PREFETCH_AHEAD
-      for (int64_t o = 0; o < weight_bytes(F); o += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(wp + PREFETCH_AHEAD + o), _MM_HINT_T0);
+      ask_ahead<F>(wp);
     __m256i w[8][2];
     weights256<F>(wp, w);
     __m256 sw[2][2], cw[2][2];
