@@ -1102,15 +1102,19 @@ void in_tiles(int64_t M, const Kernel& kernel) {
 // Rows per register tile of each kernel: the int8 ones, then the float ones.
 // (AVX2 without VNNI: 4 rows ran 8-12% faster than 2 from 16 rows on, one
 // thread, Zen 3; the AVX-VNNI kernel, not measured on such a host, keeps 2.)
-// AVX-512: 8 rows, where a block has one scale pair, unpack a group's
-// weights and scales once for 8 rows instead of twice; Zen 4, in-process
-// decode steps taking turns with tiles of 4: 1B Q4_K_M batch 8 17% shorter,
-// 16 6.5%, 4 2%; 135M Q4_1 batch 8 9%, 32 level; 256- and 512-row layers
-// level. A pair per half of 16 (Q6_K) keeps 4: with 8, its two dot chains
-// and four scale vectors a row ran Q6_K layers of 256 rows 8-13% slower.
+// AVX-512: 8 rows unpack a group's weights and scales once for 8 rows
+// instead of twice; Zen 4, in-process decode steps taking turns with tiles
+// of 4: 1B Q4_K_M batch 8 17% shorter, 16 6.5%, 4 2%; 135M Q4_1 batch 8 9%,
+// 32 level; 256- and 512-row layers level. Q6_K's own records (U6_K, read
+// directly below 16 rows) too: batch 8 and 12 another 4% shorter. The
+// expanded Q6_K copy (U6_X) and the pair-per-16 records of mixed layers
+// (U8_HALVES) keep 4: U6_X's 256-row layers ran 8-13% slower with 8,
+// U8_HALVES's were level.
 constexpr int TILE_AVX512 = 8, TILE_AVX512_HALVES = 4, TILE_AVX2 = 2, TILE_AVX2_NO_VNNI = 4;
 constexpr int FTILE_AVX512 = 8, FTILE_AVX2 = 4;
-constexpr int tile_avx512(int64_t layout) { return halves(layout) ? TILE_AVX512_HALVES : TILE_AVX512; }
+constexpr int tile_avx512(int64_t layout) {
+  return layout == U6_X || layout == U8_HALVES ? TILE_AVX512_HALVES : TILE_AVX512;
+}
 
 template <int64_t F>
 void run_group(Isa isa, const Args& a, int64_t g, int64_t M) {
