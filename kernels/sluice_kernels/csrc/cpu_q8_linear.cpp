@@ -1256,14 +1256,17 @@ void run_item(Isa isa, const Args& a, int64_t g, int64_t M) {
 // split over outputs only; many rows also over runs of rows of about equal
 // size, whole register tiles where they can be (runs of 64 left a 200-row
 // step, a chunk of prompt beside some decodes, a last item of 8 rows, which
-// unpacked a K-quant group again for two tiles: 25-38% slower).
+// unpacked a K-quant group again for two tiles: 25-38% slower): a multiple
+// of TILE_AVX512 rows, which the 4- and 2-row tiles divide too.
 // At most this many rows per work item: a group's weights are read once per
 // item, the item's quantized rows (512 KiB at K = 2,048) stay in L2.
 constexpr int64_t MAX_ITEM_ROWS = 256;
 
 inline int64_t item_rows(int64_t M) {
   const int64_t items = (M + MAX_ITEM_ROWS - 1) / MAX_ITEM_ROWS;
-  return items <= 1 ? M : ((M + items - 1) / items + 3) / 4 * 4;
+  static_assert(TILE_AVX512 % TILE_AVX512_HALVES == 0 && TILE_AVX512 % TILE_AVX2 == 0 &&
+                TILE_AVX512 % TILE_AVX2_NO_VNNI == 0);
+  return items <= 1 ? M : ((M + items - 1) / items + TILE_AVX512 - 1) / TILE_AVX512 * TILE_AVX512;
 }
 
 // A thread's share of the work items, [front, back) packed in one word so
