@@ -260,9 +260,10 @@ def test_int8_activations_stay_close_to_the_float_matmul(fmt):
 
 @pytest.mark.parametrize("isa", [isa_param(c) for c in ALL_ISAS])
 @pytest.mark.parametrize("fmt", sorted(PER_BLOCK))
-# 16 rows and more: the AVX-512 kernel expands each group's super-blocks
-# first; 1-5 rows read them directly; 17/70: tile remainders, two items.
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 70])
+# 32 rows and more: the AVX-512 kernel expands each group's super-blocks
+# first; up to 31 rows read them directly (16: two whole tiles of 8);
+# 17/33/70: tile remainders, 70 also in two items.
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 70])
 def test_super_block_layouts_give_the_per_block_layouts_results(isa, fmt, rows):
     """U4_K / U6_K form each block's scale pair from the super-block's d and
     6- or 8-bit scales inside the kernel: exactly the float32 pair the
