@@ -1106,7 +1106,7 @@ void in_tiles(int64_t M, const Kernel& kernel) {
 // instead of twice; Zen 4, in-process decode steps taking turns with tiles
 // of 4: 1B Q4_K_M batch 8 17% shorter, 16 6.5%, 4 2%; 135M Q4_1 batch 8 9%,
 // 32 level; 256- and 512-row layers level. Q6_K's own records (U6_K, read
-// directly below 16 rows) too: batch 8 and 12 another 4% shorter. The
+// directly below EXPAND_ROWS) too: batch 8 and 12 another 4% shorter. The
 // expanded Q6_K copy (U6_X) and the pair-per-16 records of mixed layers
 // (U8_HALVES) keep 4: U6_X's 256-row layers ran 8-13% slower with 8,
 // U8_HALVES's were level.
