@@ -18,6 +18,8 @@ decision (the shard's `--cpu-kernels`); this module reads no setting.
         float32 decode attention straight from the paged cache (float32 or
         bfloat16), optionally over a sliding window and with attention sinks
         (cpu_attention.cpp)
+    prefill_attention(out, q, k, v, scale): causal float32 attention of a
+        prompt's own tokens, kv heads shared by G query heads (cpu_attention.cpp)
     rms_norm(x, residual, weight, eps) -> (normed, sum); rotary_(q, k, cos, sin);
     silu_mul(x): the small ops of a layer, one pass each (cpu_ops.cpp), used by
         ops.CpuOps
@@ -68,7 +70,7 @@ SOURCES = [
 ]
 HEADERS = [CSRC / "sluice_cpu.h"]
 OPS = (
-    "paged_decode_attention", "rms_norm", "rotary_", "silu_mul", "argmax_rows",
+    "paged_decode_attention", "prefill_attention", "rms_norm", "rotary_", "silu_mul", "argmax_rows",
     "q8_pack", "q8_linear", "exact_linear", "q8_quantize", "q8_isas", "block_rows", "moe_block_mlp", "lora_apply_",
     "lora_bf16_products", "q8_dot_peak",
 )
@@ -205,6 +207,12 @@ def _build() -> None:
         missing.append("LlamaDecoder")
     if missing:
         raise RuntimeError(f"ops not registered: {', '.join(missing)}")
+
+
+def prefill_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> None:
+    """out[t] = causal softmax attention of q[t] over k[:t + 1], v[:t + 1]:
+    q, out [T, Hq, D], k, v [T, Hkv, D], float32, each row's heads contiguous."""
+    torch.ops.sluice_cpu.prefill_attention(out, q, k, v, scale)
 
 
 def paged_decode_attention(

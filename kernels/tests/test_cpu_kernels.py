@@ -1,6 +1,7 @@
 """The C++ CPU kernels (`sluice_kernels/csrc`, loaded by `cpu_kernels`)
 against plain-torch references: decode attention against a dense float64
-softmax(QK^T)V over the un-paged keys (`kernel_cases.dense_attention`), and
+softmax(QK^T)V over the un-paged keys (`kernel_cases.dense_attention`), a
+prompt's causal attention against the same in float64, and
 `ops.CpuOps`' RMSNorm, rotary and SiLU-and-mul against `ops.TorchOps`, the
 torch code they replace. The matmuls on GGUF blocks have their own module,
 test_cpu_q8_linear.py.
@@ -121,6 +122,63 @@ def test_paged_decode_attention_rejects_bad_inputs():
         op(out, q, cache, cache.bfloat16(), ok_tables, lens, 0.125)
     with pytest.raises(RuntimeError, match="caches must both be float32 or both bfloat16"):
         op(out, q, cache.half(), cache.half(), ok_tables, lens, 0.125)
+
+
+def causal_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(scale Q K^T) V in float64, position t seeing keys [0, t], each
+    kv head shared by Hq / Hkv query heads. [T, Hq, D]."""
+    group = q.shape[1] // k.shape[1]
+    qd, kd, vd = (x.double().transpose(0, 1) for x in (q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)))
+    scores = (qd @ kd.transpose(1, 2)) * scale
+    T = q.shape[0]
+    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    return (scores.softmax(-1) @ vd).transpose(0, 1)
+
+
+@pytest.mark.parametrize(
+    "hq,hkv,dim",
+    [(9, 3, 64), (32, 8, 64), (8, 2, 128), (4, 4, 128), (6, 2, 40)],  # SmolLM2; 1B; Llama-like; MHA; odd D
+)
+@pytest.mark.parametrize("tokens", [1, 7, 16, 17, 33, 100, 300])  # tiles of 16 positions, chunks of 32 keys
+def test_prefill_attention_matches_causal_attention(hq, hkv, dim, tokens):
+    """q is a strided view of a fused qkv output and out a view of a larger
+    buffer, as the attention backend passes them."""
+    qkv = randn(tokens, (hq + 2 * hkv) * dim, seed=tokens + dim)
+    q = qkv[:, : hq * dim].view(tokens, hq, dim)
+    k = randn(tokens, hkv, dim, seed=1).bfloat16().float()
+    v = randn(tokens, hkv, dim, seed=2).bfloat16().float()
+    buffer = torch.full((tokens + 3, hq, dim), float("nan"))
+    out = buffer[2 : 2 + tokens]
+    cpu_kernels.prefill_attention(out, q, k, v, dim**-0.5)
+    torch.testing.assert_close(out.double(), causal_reference(q, k, v, dim**-0.5), **TOLERANCES[torch.float32])
+    assert buffer[:2].isnan().all() and buffer[2 + tokens :].isnan().all()  # nothing written outside out
+
+
+def test_prefill_attention_positions_do_not_see_later_tokens():
+    """Position t's result is bitwise the same for any prompt that shares its
+    first t + 1 tokens (the causal mask, and each row's own softmax)."""
+    hq, hkv, dim = 8, 2, 64
+    q, k, v = randn(200, hq, dim, seed=4), randn(200, hkv, dim, seed=5), randn(200, hkv, dim, seed=6)
+    full = torch.empty_like(q)
+    cpu_kernels.prefill_attention(full, q, k, v, 0.125)
+    for n in (1, 37, 128):
+        part = torch.empty_like(q[:n])
+        cpu_kernels.prefill_attention(part, q[:n], k[:n], v[:n], 0.125)
+        assert torch.equal(part, full[:n])
+
+
+def test_prefill_attention_rejects_bad_inputs():
+    q, k, out = randn(5, 4, 64), randn(5, 2, 64), torch.empty(5, 4, 64)
+    op = torch.ops.sluice_cpu.prefill_attention
+    op(out, q, k, k, 0.125)  # the valid call runs
+    with pytest.raises(RuntimeError, match="must be float32"):
+        op(out, q.double(), k, k, 0.125)
+    with pytest.raises(RuntimeError, match="multiple of kv heads"):
+        op(out, q, randn(5, 3, 64), randn(5, 3, 64), 0.125)
+    with pytest.raises(RuntimeError, match=r"k and v must be \[T, Hkv, D\]"):
+        op(out, q, k[:4], k[:4], 0.125)
+    with pytest.raises(RuntimeError, match="contiguous heads"):
+        op(out, q.transpose(1, 2).contiguous().transpose(1, 2), k, k, 0.125)
 
 
 @pytest.mark.parametrize("with_residual", [False, True])

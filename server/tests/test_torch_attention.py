@@ -11,6 +11,7 @@ import torch
 
 from sluice_kernels import cpu_kernels
 from sluice_server.layers.attention import AttentionMetadata, LayerAttention
+from sluice_server.layers import torch_attention
 from sluice_server.layers.torch_attention import TorchAttention
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="the CPU kernels did not build")
@@ -73,3 +74,49 @@ def test_decode_on_the_kernel_matches_plain_torch(hq, hkv, dim, seq_lens, window
     torch.testing.assert_close(outs[1], outs[0], atol=2e-6, rtol=1e-5)
 
 
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_prompts_beside_decodes_match_plain_torch(cache_dtype, monkeypatch):
+    """A step of two decodes, two prompts with nothing cached (on an AVX-512
+    host with a bfloat16 cache these go through the C++ causal kernel) and a
+    prompt's second chunk (SDPA over the cache), against the plain-torch
+    backend."""
+    hq, hkv, dim, block_size = 8, 2, 64, 16
+    # (cached, new) tokens per sequence: decodes first, as the batch orders them.
+    seqs = [(40, 1), (7, 1), (0, 20), (0, 37), (32, 9)]
+    tables, slots, used = [], [], 0
+    for cached, new in seqs:
+        n = -(-(cached + new) // block_size)
+        tables.append(list(range(used, used + n)) + [0] * (4 - n))
+        slots += [tables[-1][t // block_size] * block_size + t % block_size for t in range(cached, cached + new)]
+        used += n
+    tokens = sum(new for _, new in seqs)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.tensor([0] + [sum(new for _, new in seqs[: i + 1]) for i in range(len(seqs))]),
+        seq_lens=torch.tensor([c + n for c, n in seqs]),
+        block_tables=torch.tensor(tables),
+        num_decodes=2,
+        block_size=block_size,
+        query_lens_list=[n for _, n in seqs],
+        seq_lens_list=[c + n for c, n in seqs],
+    )
+    k_cache = randn(used, block_size, hkv, dim, seed=1).to(cache_dtype)
+    v_cache = randn(used, block_size, hkv, dim, seed=2).to(cache_dtype)
+    qkv = randn(tokens, (hq + 2 * hkv) * dim, seed=3)
+    q = qkv[:, : hq * dim].view(tokens, hq, dim)
+    k = qkv[:, hq * dim : (hq + hkv) * dim].view(tokens, hkv, dim)
+    v = qkv[:, (hq + hkv) * dim :].view(tokens, hkv, dim)
+    calls = []
+    kernel_op = cpu_kernels.prefill_attention
+    monkeypatch.setattr(cpu_kernels, "prefill_attention", lambda *a: calls.append(a[1].shape[0]) or kernel_op(*a))
+    reference, kernel = TorchAttention(cpu_kernels=False), TorchAttention(cpu_kernels=True)
+    outs = []
+    for backend in (reference, kernel):
+        meta.backend_state = {}
+        backend.prepare(meta)
+        outs.append(backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, LayerAttention()))
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-6, rtol=1e-5)
+    on_kernel = cache_dtype == torch.bfloat16 and torch_attention._AVX512
+    assert calls == ([20, 37] if on_kernel else [])
