@@ -19,7 +19,8 @@ decision (the shard's `--cpu-kernels`); this module reads no setting.
         bfloat16), optionally over a sliding window and with attention sinks
         (cpu_attention.cpp)
     prefill_attention(out, q, k, v, scale): causal float32 attention of a
-        prompt's own tokens, kv heads shared by G query heads (cpu_attention.cpp)
+        prompt's new tokens over its keys, cached ones included, kv heads
+        shared by G query heads (cpu_attention.cpp)
     rms_norm(x, residual, weight, eps) -> (normed, sum); rotary_(q, k, cos, sin);
     silu_mul(x): the small ops of a layer, one pass each (cpu_ops.cpp), used by
         ops.CpuOps
@@ -210,8 +211,10 @@ def _build() -> None:
 
 
 def prefill_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> None:
-    """out[t] = causal softmax attention of q[t] over k[:t + 1], v[:t + 1]:
-    q, out [T, Hq, D], k, v [T, Hkv, D], float32, each row's heads contiguous."""
+    """out[t] = causal softmax attention of q[t] over k[:S - T + t + 1], v[...]:
+    the T new tokens of a sequence of S (S - T cached before them). q, out
+    [T, Hq, D] with contiguous heads, k, v [S, Hkv, D] with contiguous rows;
+    float32."""
     torch.ops.sluice_cpu.prefill_attention(out, q, k, v, scale)
 
 

@@ -125,13 +125,14 @@ def test_paged_decode_attention_rejects_bad_inputs():
 
 
 def causal_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """softmax(scale Q K^T) V in float64, position t seeing keys [0, t], each
-    kv head shared by Hq / Hkv query heads. [T, Hq, D]."""
+    """softmax(scale Q K^T) V in float64 for the T new tokens of S, new token
+    t seeing keys [0, S - T + t], each kv head shared by Hq / Hkv query
+    heads. [T, Hq, D]."""
     group = q.shape[1] // k.shape[1]
     qd, kd, vd = (x.double().transpose(0, 1) for x in (q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)))
     scores = (qd @ kd.transpose(1, 2)) * scale
-    T = q.shape[0]
-    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    T, S = q.shape[0], k.shape[0]
+    scores = scores.masked_fill(torch.ones(T, S, dtype=torch.bool).triu(S - T + 1), float("-inf"))
     return (scores.softmax(-1) @ vd).transpose(0, 1)
 
 
@@ -140,13 +141,17 @@ def causal_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     [(9, 3, 64), (32, 8, 64), (8, 2, 128), (4, 4, 128), (6, 2, 40)],  # SmolLM2; 1B; Llama-like; MHA; odd D
 )
 @pytest.mark.parametrize("tokens", [1, 7, 16, 17, 33, 100, 300])  # tiles of 16 positions, chunks of 32 keys
-def test_prefill_attention_matches_causal_attention(hq, hkv, dim, tokens):
+@pytest.mark.parametrize("cached", [0, 1, 45])  # a fresh prompt; a later chunk or prefix-cache hit
+def test_prefill_attention_matches_causal_attention(hq, hkv, dim, tokens, cached):
     """q is a strided view of a fused qkv output and out a view of a larger
-    buffer, as the attention backend passes them."""
+    buffer, and cached keys come [S, Hkv, D] with the heads apart (a gather
+    from the cache, transposed back), as the attention backend passes them."""
     qkv = randn(tokens, (hq + 2 * hkv) * dim, seed=tokens + dim)
     q = qkv[:, : hq * dim].view(tokens, hq, dim)
-    k = randn(tokens, hkv, dim, seed=1).bfloat16().float()
-    v = randn(tokens, hkv, dim, seed=2).bfloat16().float()
+    k = randn(tokens + cached, hkv, dim, seed=1).bfloat16().float()
+    v = randn(tokens + cached, hkv, dim, seed=2).bfloat16().float()
+    if cached:
+        k, v = k.transpose(0, 1).contiguous().transpose(0, 1), v.transpose(0, 1).contiguous().transpose(0, 1)
     buffer = torch.full((tokens + 3, hq, dim), float("nan"))
     out = buffer[2 : 2 + tokens]
     cpu_kernels.prefill_attention(out, q, k, v, dim**-0.5)
@@ -175,10 +180,12 @@ def test_prefill_attention_rejects_bad_inputs():
         op(out, q.double(), k, k, 0.125)
     with pytest.raises(RuntimeError, match="multiple of kv heads"):
         op(out, q, randn(5, 3, 64), randn(5, 3, 64), 0.125)
-    with pytest.raises(RuntimeError, match=r"k and v must be \[T, Hkv, D\]"):
+    with pytest.raises(RuntimeError, match=r"k and v must be \[S, Hkv, D\] with S >= q's tokens"):
         op(out, q, k[:4], k[:4], 0.125)
     with pytest.raises(RuntimeError, match="contiguous heads"):
         op(out, q.transpose(1, 2).contiguous().transpose(1, 2), k, k, 0.125)
+    with pytest.raises(RuntimeError, match="rows must be contiguous"):
+        op(out, q, k.transpose(1, 2).contiguous().transpose(1, 2), k, 0.125)
 
 
 @pytest.mark.parametrize("with_residual", [False, True])

@@ -77,11 +77,12 @@ def test_decode_on_the_kernel_matches_plain_torch(hq, hkv, dim, seq_lens, window
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-def test_prompts_beside_decodes_match_plain_torch(cache_dtype, monkeypatch):
-    """A step of two decodes, two prompts with nothing cached (on an AVX-512
-    host with a bfloat16 cache these go through the C++ causal kernel) and a
-    prompt's second chunk (SDPA over the cache), against the plain-torch
-    backend."""
+@pytest.mark.parametrize("window", [None, 16, 64])  # a window that hides keys of every prompt, and one that hides none
+def test_prompts_beside_decodes_match_plain_torch(cache_dtype, window, monkeypatch):
+    """A step of two decodes, two prompts with nothing cached and a prompt's
+    second chunk after 32 cached tokens, against the plain-torch backend. On
+    an AVX-512 host with a bfloat16 cache the three prompts go through the
+    C++ causal kernel, unless the window hides some of their keys."""
     hq, hkv, dim, block_size = 8, 2, 64, 16
     # (cached, new) tokens per sequence: decodes first, as the batch orders them.
     seqs = [(40, 1), (7, 1), (0, 20), (0, 37), (32, 9)]
@@ -116,7 +117,7 @@ def test_prompts_beside_decodes_match_plain_torch(cache_dtype, monkeypatch):
     for backend in (reference, kernel):
         meta.backend_state = {}
         backend.prepare(meta)
-        outs.append(backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, LayerAttention()))
+        outs.append(backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, LayerAttention(sliding_window=window)))
     torch.testing.assert_close(outs[1], outs[0], atol=2e-6, rtol=1e-5)
-    on_kernel = cache_dtype == torch.bfloat16 and torch_attention._AVX512
-    assert calls == ([20, 37] if on_kernel else [])
+    on_kernel = cache_dtype == torch.bfloat16 and torch_attention._AVX512 and window != 16
+    assert calls == ([20, 37, 9] if on_kernel else [])

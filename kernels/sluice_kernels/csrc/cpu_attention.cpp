@@ -417,19 +417,20 @@ void attend_part(const float* q, const Keys<T>& keys, int64_t G, int64_t D, floa
 }
 
 // ---------------------------------------------------------------------------
-// Causal attention over one prompt's own tokens (a prefill with nothing
-// cached before it), float32, for the shard's int8 path. torch's CPU flash
+// Causal attention of a prompt's new tokens (a prefill, or a later chunk of
+// it or a prefix-cache hit after S - T cached tokens), float32, for the
+// shard's int8 path. torch's CPU flash
 // attention runs these as many small GEMM calls (D = 64 keeps each tiny):
 // ~4 ms a layer for 256 tokens of a 1B model's heads (32/8) on Zen 4, 6% of
 // its prefill step; this kernel ~1.9 ms (1,024 tokens: 41 -> 26 ms).
 //
-//   out[t, hq] = sum_{u <= t} softmax_u(scale * q[t, hq] . k[u, h]) v[u, h],  h = hq / G
+//   out[t, hq] = sum_{u <= t + S - T} softmax_u(scale * q[t, hq] . k[u, h]) v[u, h],  h = hq / G
 //
 // Work items are (kv head h, tile of QT query positions), longest first; an
 // item serves the G query heads of h. Each kv head's keys are copied
-// transposed in chunks of 32 ([T / 32][D][32], zero past T), so a score
+// transposed in chunks of 32 ([S / 32][D][32], zero past S), so a score
 // tile is 8 rows x 32 keys of FMAs with one broadcast of q per row and
-// dimension, and its values contiguous ([T][D]). Each row's scores, maximum
+// dimension, and its values contiguous ([S][D]). Each row's scores, maximum
 // and sums are its own (the same whatever the tile or thread), so a
 // position's result does not depend on the prompt's later tokens.
 constexpr int64_t QT = 16;  // query positions per work item
@@ -686,31 +687,34 @@ void paged_decode_attention(
 namespace sluice_cpu {
 
 void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
-  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v and out must be [T, heads, D]");
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v and out must be [tokens, heads, D]");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
                   out.scalar_type() == at::kFloat,
               "q, k, v and out must be float32");
-  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(1);
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), S = k.size(0), Hkv = k.size(1);
   TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape");
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == T && k.size(2) == D, "k and v must be [T, Hkv, D] with q's T and D");
+  TORCH_CHECK(k.sizes() == v.sizes() && S >= T && k.size(2) == D,
+              "k and v must be [S, Hkv, D] with S >= q's tokens and q's D");
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "query heads must be a multiple of kv heads");
-  for (const at::Tensor* t : {static_cast<const at::Tensor*>(&out), &q, &k, &v})
-    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == D, "rows of contiguous heads are needed (rows may be strided)");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D && out.stride(2) == 1 && out.stride(1) == D,
+              "q and out must have contiguous heads (rows may be strided)");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k and v rows must be contiguous");
   if (T == 0) return;
-  const int64_t G = Hq / Hkv, Tp = (T + 31) / 32 * 32;
+  const int64_t G = Hq / Hkv, Tp = (S + 31) / 32 * 32, offset = S - T;
   const float sc = static_cast<float>(scale);
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t q_row = q.stride(0), k_row = k.stride(0), v_row = v.stride(0), o_row = out.stride(0);
+  const int64_t k_head = k.stride(1), v_head = v.stride(1);
   // Per kv head: the keys transposed in chunks of 32, [Tp / 32][D][32]
   // (zero past T), and the values' rows [T][D], each contiguous.
-  std::vector<float> kt(Hkv * Tp * D, 0.f), vh(Hkv * T * D);
+  std::vector<float> kt(Hkv * Tp * D, 0.f), vh(Hkv * S * D);
   at::parallel_for(0, Hkv, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t h = lo; h < hi; ++h)
-      for (int64_t u = 0; u < T; ++u) {
+      for (int64_t u = 0; u < S; ++u) {
         float* chunk = kt.data() + (h * Tp + u / 32 * 32) * D + u % 32;
-        for (int64_t d = 0; d < D; ++d) chunk[32 * d] = kp[u * k_row + h * D + d];
-        std::memcpy(vh.data() + (h * T + u) * D, vp + u * v_row + h * D, D * sizeof(float));
+        for (int64_t d = 0; d < D; ++d) chunk[32 * d] = kp[u * k_row + h * k_head + d];
+        std::memcpy(vh.data() + (h * S + u) * D, vp + u * v_row + h * v_head, D * sizeof(float));
       }
   });
   const int64_t tiles = (T + QT - 1) / QT, items = Hkv * tiles;
@@ -724,15 +728,15 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
       const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
       if (i >= items) break;
       const int64_t tile = tiles - 1 - i / Hkv, h = i % Hkv;
-      const int64_t t0 = tile * QT, R = std::min(QT, T - t0), n = t0 + R, np = (n + 31) / 32 * 32;
+      const int64_t t0 = tile * QT, R = std::min(QT, T - t0), n = offset + t0 + R, np = (n + 31) / 32 * 32;
       for (int64_t g = 0; g < G; ++g) {
         const int64_t hq = h * G + g;
         for (int64_t r = 0; r < R; ++r)
           for (int64_t d = 0; d < D; ++d) qs[r * D + d] = qp[(t0 + r) * q_row + hq * D + d] * sc;
         prefill::scores(qs.data(), R, D, kt.data() + h * Tp * D, np, s.data(), Tp);
-        for (int64_t r = 0; r < R; ++r)  // row r sees keys [0, t0 + r]
-          inv[r] = prefill::softmax_row(s.data() + r * Tp, t0 + r + 1, n);
-        prefill::values(s.data(), R, Tp, vh.data() + h * T * D, D, D, n, o.data(), D);
+        for (int64_t r = 0; r < R; ++r)  // row r sees keys [0, offset + t0 + r]
+          inv[r] = prefill::softmax_row(s.data() + r * Tp, offset + t0 + r + 1, n);
+        prefill::values(s.data(), R, Tp, vh.data() + h * S * D, D, D, n, o.data(), D);
         for (int64_t r = 0; r < R; ++r) {
           float* dst = op + (t0 + r) * o_row + hq * D;
 #pragma omp simd

@@ -101,10 +101,11 @@ class TorchAttention(AttentionBackend):
         )
 
     def _use_prefill_kernel(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        """A prompt with nothing cached before it, on the int8 path's
-        bfloat16 cache, goes through the C++ causal kernel where it has its
-        AVX-512 form (about 2x torch's SDPA at 256 tokens, 1.5x at 1,024);
-        float32 caches keep SDPA, the same attention transformers runs."""
+        """Prompt chunks (fresh, later chunks, prefix-cache hits) on the int8
+        path's bfloat16 cache go through the C++ causal kernel where it has
+        its AVX-512 form (about 2x torch's SDPA at 256 tokens, 1.5x at
+        1,024), unless a sliding window hides keys; float32 caches keep
+        SDPA, the same attention transformers runs."""
         return self._use_kernel(q, k_cache) and k_cache.dtype == torch.bfloat16 and _AVX512
 
     def prepare(self, meta: AttentionMetadata) -> None:
@@ -172,26 +173,25 @@ class TorchAttention(AttentionBackend):
             queries = q[:nd].view(nd, num_kv_heads, group, dim)
             o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=state["decode_mask"], scale=scale)
             out[:nd] = o.reshape(nd, num_q_heads, dim)
-        fresh_kernel = state["prefills"] and self._use_prefill_kernel(q, k_cache)
+        prompt_kernel = state["prefills"] and self._use_prefill_kernel(q, k_cache)
         for start, q_len, seq_len, tables, mask in state["prefills"]:
             end = start + q_len
-            queries = q[start:end].transpose(0, 1)
             if tables is None:
                 # The fresh k/v as the cache holds them, so a prompt's later
                 # chunks, decodes and prefix-cache hits see the same keys.
                 keys = k[start:end].to(k_cache.dtype).to(q.dtype)
                 values = v[start:end].to(v_cache.dtype).to(q.dtype)
-                if mask is None and fresh_kernel:
-                    cpu_kernel_loader.prefill_attention(
-                        out[start:end], q[start:end], keys, values, dim**-0.5 if scale is None else scale
-                    )
-                    continue
-                keys, values = keys.transpose(0, 1), values.transpose(0, 1)
-            else:
-                keys = gather_kv(k_cache, tables, seq_len)[0].to(q.dtype)
-                values = gather_kv(v_cache, tables, seq_len)[0].to(q.dtype)
+            else:  # [seq_len, Hkv, D] views of the rows gathered from the cache
+                keys = gather_kv(k_cache, tables, seq_len)[0].to(q.dtype).transpose(0, 1)
+                values = gather_kv(v_cache, tables, seq_len)[0].to(q.dtype).transpose(0, 1)
+            if prompt_kernel and (window is None or seq_len <= window):  # plain causal
+                cpu_kernel_loader.prefill_attention(
+                    out[start:end], q[start:end], keys, values, dim**-0.5 if scale is None else scale
+                )
+                continue
             o = F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=group > 1
+                q[start:end].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+                attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=group > 1,
             )
             out[start:end] = o.transpose(0, 1)
         return out
