@@ -147,25 +147,32 @@ def test_kernels_match_the_reference(isa, fmt, rows):
 
 # Where each type's quants sit in its block (set to 0xFF, every weight is at
 # its type's largest value: 15, or 63 for Q6_K).
-QUANT_BYTES = {"Q4_0": slice(2, 18), "Q4_1": slice(4, 20), "Q4_K": slice(16, 144), "Q6_K": slice(0, 192)}
+QUANT_BYTES = {"Q4_0": slice(2, 18), "Q4_1": slice(4, 20), "Q4_K": slice(16, 144), "Q6_K": slice(0, 192),
+               "Q8_0": slice(2, 34)}
+# (type, the byte every weight byte is set to, the wq that gives): the
+# largest 4- and 6-bit weights, and Q8_0's int8 -128 and 127 (wq 0 and 255,
+# the AVX2 kernel's |wq - 128| at 128 and 127).
+EXTREMES = [("Q4_0", 0xFF, 15), ("Q4_1", 0xFF, 15), ("Q4_K", 0xFF, 15), ("Q6_K", 0xFF, 63),
+            ("Q8_0", 0x80, 0), ("Q8_0", 0x7F, 255)]
 
 
 @pytest.mark.parametrize("isa", [isa_param(c) for c in ALL_ISAS])
-@pytest.mark.parametrize("fmt", sorted(QUANT_BYTES))
+@pytest.mark.parametrize("fmt,fill,wq", EXTREMES)
 @pytest.mark.parametrize("sign", [1, -1])
 @pytest.mark.parametrize("rows", [1, 40])  # 40: past both K-quant layouts' expansion thresholds
-def test_the_largest_weights_and_activations_stay_exact(isa, fmt, sign, rows):
+def test_the_largest_weights_and_activations_stay_exact(isa, fmt, fill, wq, sign, rows):
     """Largest weights times activations of +-127: the AVX2 kernel keeps
     PMADDUBSW's sums in 16 bits (all 8 chunks of a 4-bit block, two of a
-    6-bit one), which must then be at their largest without wrapping."""
+    6-bit one; one chunk of 8-bit weights, as |wq - 128| times x with wq's
+    sign), which must then be at their largest without wrapping."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     n, k = 32, 512
     values, size = GGML_QUANT_SIZES[GGMLQuantizationType[fmt]]
     blocks = random_blocks(fmt, n, k, seed=3).reshape(n, k // values, size)
-    blocks[..., QUANT_BYTES[fmt]] = 0xFF
+    blocks[..., QUANT_BYTES[fmt]] = fill
     w = gguf_blocks.unpack(fmt, np.ascontiguousarray(blocks.reshape(n, -1)), k)
-    assert w.wq.max() == (63 if fmt == "Q6_K" else 15)
+    assert (w.wq == wq).all()
     x = torch.full((rows, k), float(sign))
     got = q8_linear(x, w, LAYOUTS[fmt], isa)
     torch.testing.assert_close(got, reference_q8_linear(x, w), rtol=2e-5, atol=2e-5)

@@ -59,7 +59,8 @@
 //
 // Kernels: AVX-512 VNNI, AVX-VNNI (256-bit), AVX2 (PMADDUBSW on weights of
 // at most 6 bits, see small_dots256 and, for steps of several rows,
-// group_avx2_bytes; widening PMADDWD on 8-bit ones) and
+// group_avx2_bytes; on 8-bit ones on their magnitudes, the signs moved to
+// the activations, see signed_dots256) and
 // scalar, each compiled with its own target attribute and chosen at run time
 // from the CPU's features, so one build runs on any x86-64 host and the tests
 // run every kernel the host can execute against the same reference.
@@ -640,25 +641,13 @@ __attribute__((target("avx2,avxvnni"))) inline __m256i dot_u8s8<true>(__m256i ac
   return _mm256_dpbusd_avx_epi32(acc, w, x);
 }
 
-template <>
-__attribute__((target("avx2"))) inline __m256i dot_u8s8<false>(__m256i acc, __m256i w, __m256i x) {
-  // Widened to 16 bits, so no pair of products saturates (255 * 127 * 2 >
-  // 2^15). Within each 128-bit half, the low unpack holds bytes 0-7 and the
-  // high one bytes 8-15; PMADDWD sums byte pairs, and HADD the neighbouring
-  // pairs, leaving in lane i the sum over bytes 4i .. 4i+3, as VPDPBUSD does.
-  const __m256i zero = _mm256_setzero_si256();
-  const __m256i lo = _mm256_madd_epi16(_mm256_unpacklo_epi8(w, zero), _mm256_srai_epi16(_mm256_unpacklo_epi8(x, x), 8));
-  const __m256i hi = _mm256_madd_epi16(_mm256_unpackhi_epi8(w, zero), _mm256_srai_epi16(_mm256_unpackhi_epi8(x, x), 8));
-  return _mm256_add_epi32(acc, _mm256_hadd_epi32(lo, hi));
-}
-
 // AVX2 without VNNI, weights of at most 6 bits (every nibble-packed layout):
 // PMADDUBSW's sums of two u8 x s8 products, at most 63 * 127 * 2 = 16,002,
 // cannot saturate, so the products stay in 16 bits until one PMADDWD by ones
 // widens them: 4-bit weights sum all 8 K-chunks in 16 bits (8 * 15 * 127 * 2
 // = 30,480 < 2^15), 6-bit ones two chunks at a time. The int32 lanes hold the
-// same exact sums as dot_u8s8's (and VPDPBUSD's), from about a quarter of the
-// instructions. d[k][h] += the dot of K-chunks 4k .. 4k+3 (k = 0, 1) for the
+// same exact sums as VPDPBUSD's, from about a quarter of the instructions
+// of widening every product. d[k][h] += the dot of K-chunks 4k .. 4k+3 (k = 0, 1) for the
 // outputs' half h; with `split` false only d[0][h] is added to, with all 8.
 template <int64_t F, bool split>
 __attribute__((target("avx2"))) inline void small_dots256(const __m256i (&w)[8][2], const int32_t* xr,
@@ -682,6 +671,44 @@ __attribute__((target("avx2"))) inline void small_dots256(const __m256i (&w)[8][
       const __m256i s = _mm256_add_epi16(_mm256_add_epi16(pair(0, h), pair(2, h)),
                                          _mm256_add_epi16(pair(4, h), pair(6, h)));
       d[0][h] = _mm256_add_epi32(d[0][h], _mm256_madd_epi16(s, ones));
+    }
+  }
+}
+
+// AVX2 without VNNI, 8-bit weights (Q5_0, Q5_1, Q5_K, Q8_0, U8_HALVES):
+// PMADDUBSW on wq itself could saturate (255 * 127 * 2 > 2^15), so each
+// weight is taken as signed, ws = wq - 128 (wq ^ 0x80), and each product as
+// |ws| * (x * sign(ws)), at most 128 * 127 per byte, 32,512 per pair: one
+// PSIGNB and one PMADDUBSW per chunk and half, one PMADDWD by ones to widen,
+// where both operands were unpacked to 16 bits for PMADDWD before (8
+// instructions). The caller starts each sum at 128 * sum(xq) over its
+// values, which makes it the same exact int32 dot(wq, xq) as VPDPBUSD's: the
+// results did not change.
+// (Per block, |ws| and ws are formed once for all rows of a tile.)
+struct SignedWeights256 {
+  __m256i abs[8][2], sign[8][2];
+};
+
+__attribute__((target("avx2"), always_inline)) inline void signed_weights256(const __m256i (&w)[8][2],
+                                                                            SignedWeights256& s) {
+  const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int c = 0; c < 8; ++c)
+    for (int h = 0; h < 2; ++h) {
+      s.sign[c][h] = _mm256_xor_si256(w[c][h], bias);
+      s.abs[c][h] = _mm256_abs_epi8(s.sign[c][h]);
+    }
+}
+
+// d[split ? c / 4 : 0][h] += dot of K-chunk c for the outputs' half h, all 8 chunks.
+template <bool split>
+__attribute__((target("avx2"), always_inline)) inline void signed_dots256(const SignedWeights256& s,
+                                                                         const int32_t* xr, __m256i (&d)[2][2]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int c = 0; c < 8; ++c) {
+    const __m256i xb = _mm256_set1_epi32(xr[c]);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i p = _mm256_maddubs_epi16(s.abs[c][h], _mm256_sign_epi8(xb, s.sign[c][h]));
+      d[split ? c / 4 : 0][h] = _mm256_add_epi32(d[split ? c / 4 : 0][h], _mm256_madd_epi16(p, ones));
     }
   }
 }
@@ -812,15 +839,26 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_avx2(const Args& a, 
       }
       continue;
     }
-    if constexpr (halves(F)) {
+    [[maybe_unused]] SignedWeights256 sw8;
+    if constexpr (!VNNI && !narrow(F)) signed_weights256(w, sw8);
+    if constexpr (halves(F) && !q6_offset(F)) {
       // h: which 8 of the 16 outputs; k: which half of the 32 values.
       for (int r = 0; r < R; ++r) {
         const int32_t* xr = reinterpret_cast<const int32_t*>(a.xq + (r0 + r) * a.K + b * QK);
         __m256i d[2][2] = {{_mm256_setzero_si256(), _mm256_setzero_si256()},
                            {_mm256_setzero_si256(), _mm256_setzero_si256()}};
-        for (int c = 0; c < 8; ++c) {
-          const __m256i xb = _mm256_set1_epi32(xr[c]);
-          for (int h = 0; h < 2; ++h) d[c / 4][h] = dot_u8s8<VNNI>(d[c / 4][h], w[c][h], xb);
+        if constexpr (!VNNI) {
+          const int64_t xj = (r0 + r) * a.nb + b;
+          const __m256i lo = _mm256_set1_epi32(128 * a.sum_lo[xj]), hi = _mm256_set1_epi32(128 * a.sum_hi[xj]);
+          __m256i ds[2][2] = {{lo, lo}, {hi, hi}};
+          signed_dots256<true>(sw8, xr, ds);
+          for (int k = 0; k < 2; ++k)
+            for (int h = 0; h < 2; ++h) d[k][h] = ds[k][h];
+        } else {
+          for (int c = 0; c < 8; ++c) {
+            const __m256i xb = _mm256_set1_epi32(xr[c]);
+            for (int h = 0; h < 2; ++h) d[c / 4][h] = dot_u8s8<VNNI>(d[c / 4][h], w[c][h], xb);
+          }
         }
         const int64_t xi = r * a.nb + b;
         const __m256 scale = _mm256_set1_ps(dx[xi]);
@@ -839,6 +877,12 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_avx2(const Args& a, 
       if constexpr (!VNNI && narrow(F)) {
         __m256i dk[2][2] = {{d[0], d[1]}, {d[0], d[1]}};
         small_dots256<F, false>(w, xr, dk);
+        d[0] = dk[0][0], d[1] = dk[0][1];
+      } else if constexpr (!VNNI) {
+        const int64_t xj = (r0 + r) * a.nb + b;
+        const __m256i offset = _mm256_set1_epi32(128 * (a.sum_lo[xj] + a.sum_hi[xj]));
+        __m256i dk[2][2] = {{offset, offset}, {offset, offset}};
+        signed_dots256<false>(sw8, xr, dk);
         d[0] = dk[0][0], d[1] = dk[0][1];
       } else {
         for (int c = 0; c < 8; ++c) {
