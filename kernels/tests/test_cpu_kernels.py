@@ -140,7 +140,7 @@ def causal_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     "hq,hkv,dim",
     [(9, 3, 64), (32, 8, 64), (8, 2, 128), (4, 4, 128), (6, 2, 40)],  # SmolLM2; 1B; Llama-like; MHA; odd D
 )
-@pytest.mark.parametrize("tokens", [1, 7, 16, 17, 33, 100, 300])  # tiles of 16 positions, chunks of 32 keys
+@pytest.mark.parametrize("tokens", [1, 3, 7, 16, 17, 33, 100, 300])  # tiles of 16 positions (AVX2: rows 6+6+4, 2+1), chunks of 32 keys
 @pytest.mark.parametrize("cached", [0, 1, 45])  # a fresh prompt; a later chunk or prefix-cache hit
 def test_prefill_attention_matches_causal_attention(hq, hkv, dim, tokens, cached):
     """q is a strided view of a fused qkv output and out a view of a larger

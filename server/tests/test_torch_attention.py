@@ -119,5 +119,5 @@ def test_prompts_beside_decodes_match_plain_torch(cache_dtype, window, monkeypat
         backend.prepare(meta)
         outs.append(backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, LayerAttention(sliding_window=window)))
     torch.testing.assert_close(outs[1], outs[0], atol=2e-6, rtol=1e-5)
-    on_kernel = cache_dtype == torch.bfloat16 and torch_attention._AVX512 and window != 16
+    on_kernel = cache_dtype == torch.bfloat16 and torch_attention._PROMPT_KERNEL_ISA and window != 16
     assert calls == ([20, 37, 9] if on_kernel else [])
