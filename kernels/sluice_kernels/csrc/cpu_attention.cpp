@@ -639,6 +639,21 @@ inline void in_groups(int64_t rows, int64_t tile, const Fn& fn) {
   for (int64_t r0 = 0; r0 < rows; r0 += tile) fn(r0, std::min(tile, rows - r0));
 }
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// fn(first row, std::integral_constant<int, rows>) over `rows` rows in
+// groups of 6 (the AVX2 tiles' most), then the largest of 4, 2, 1 that fits.
+template <typename Fn>
+inline void in_avx2_groups(int64_t rows, const Fn& fn) {
+  for (int64_t r = 0; r < rows;) {
+    const int64_t left = rows - r;
+    if (left >= 6) fn(r, std::integral_constant<int, 6>{}), r += 6;
+    else if (left >= 4) fn(r, std::integral_constant<int, 4>{}), r += 4;
+    else if (left >= 2) fn(r, std::integral_constant<int, 2>{}), r += 2;
+    else fn(r, std::integral_constant<int, 1>{}), r += 1;
+  }
+}
+#endif
+
 void scores(const float* qs, int64_t R, int64_t D, const float* kt, int64_t n, float* s, int64_t ls) {
 #if defined(__AVX512F__)
   in_groups(R, 8, [&](int64_t r0, int64_t m) {
@@ -656,16 +671,9 @@ void scores(const float* qs, int64_t R, int64_t D, const float* kt, int64_t n, f
   // L2 once and then from L1 (all rows against all keys, group by group,
   // read them once per 6 rows: L2 bound, 2x slower at 1,024 keys).
   for (int64_t u0 = 0; u0 < n; u0 += 32)
-    for (int64_t r = 0; r < R;) {  // 6 rows, else the largest of 4, 2, 1 that fits
-      const float* q = qs + r * D;
-      const float* chunk = kt + u0 * D;
-      float* sr = s + r * ls + u0;
-      const int64_t left = R - r;
-      if (left >= 6) score_rows<6>(q, D, chunk, 32, sr, ls), r += 6;
-      else if (left >= 4) score_rows<4>(q, D, chunk, 32, sr, ls), r += 4;
-      else if (left >= 2) score_rows<2>(q, D, chunk, 32, sr, ls), r += 2;
-      else score_rows<1>(q, D, chunk, 32, sr, ls), r += 1;
-    }
+    in_avx2_groups(R, [&](int64_t r, auto rows) {
+      score_rows<decltype(rows)::value>(qs + r * D, D, kt + u0 * D, 32, s + r * ls + u0, ls);
+    });
 #else
   score_rows_generic(static_cast<int>(R), qs, D, kt, n, s, ls);
 #endif
@@ -691,16 +699,9 @@ void values(const float* p, int64_t R, int64_t lp, const float* v, int64_t v_row
   if (D % 16 == 0) {
     for (int64_t u0 = 0; u0 < n; u0 += VB) {
       const int64_t len = std::min(VB, n - u0);
-      const float* vb = v + u0 * v_row;
-      for (int64_t r = 0; r < R;) {  // 6 rows, else the largest of 4, 2, 1 that fits
-        const float* pr = p + r * lp + u0;
-        float* orow = o + r * lo;
-        const int64_t left = R - r;
-        if (left >= 6) value_rows<6>(pr, lp, vb, v_row, D, len, orow, lo, u0 > 0), r += 6;
-        else if (left >= 4) value_rows<4>(pr, lp, vb, v_row, D, len, orow, lo, u0 > 0), r += 4;
-        else if (left >= 2) value_rows<2>(pr, lp, vb, v_row, D, len, orow, lo, u0 > 0), r += 2;
-        else value_rows<1>(pr, lp, vb, v_row, D, len, orow, lo, u0 > 0), r += 1;
-      }
+      in_avx2_groups(R, [&](int64_t r, auto rows) {
+        value_rows<decltype(rows)::value>(p + r * lp + u0, lp, v + u0 * v_row, v_row, D, len, o + r * lo, lo, u0 > 0);
+      });
     }
     return;
   }

@@ -632,12 +632,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) void expand_group512(c
   }
 }
 
-// 256-bit kernels: the 16 outputs of a group as two halves of 8.
-template <bool VNNI>
-inline __m256i dot_u8s8(__m256i acc, __m256i w, __m256i x);
-
-template <>
-__attribute__((target("avx2,avxvnni"))) inline __m256i dot_u8s8<true>(__m256i acc, __m256i w, __m256i x) {
+// 256-bit kernels: the 16 outputs of a group as two halves of 8. With
+// AVX-VNNI, one VPDPBUSD per K-chunk and half; without it, small_dots256
+// (weights of at most 6 bits) and signed_dots256 (8-bit ones) below.
+__attribute__((target("avx2,avxvnni"))) inline __m256i dot_vnni256(__m256i acc, __m256i w, __m256i x) {
   return _mm256_dpbusd_avx_epi32(acc, w, x);
 }
 
@@ -647,8 +645,9 @@ __attribute__((target("avx2,avxvnni"))) inline __m256i dot_u8s8<true>(__m256i ac
 // widens them: 4-bit weights sum all 8 K-chunks in 16 bits (8 * 15 * 127 * 2
 // = 30,480 < 2^15), 6-bit ones two chunks at a time. The int32 lanes hold the
 // same exact sums as VPDPBUSD's, from about a quarter of the instructions
-// of widening every product. d[k][h] += the dot of K-chunks 4k .. 4k+3 (k = 0, 1) for the
-// outputs' half h; with `split` false only d[0][h] is added to, with all 8.
+// of widening every product. d[k][h] += the dot of K-chunks 4k .. 4k+3
+// (k = 0, 1) for the outputs' half h; with `split` false only d[0][h] is
+// added to, with all 8.
 template <int64_t F, bool split>
 __attribute__((target("avx2"))) inline void small_dots256(const __m256i (&w)[8][2], const int32_t* xr,
                                                           __m256i (&d)[2][2]) {
@@ -825,7 +824,7 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_avx2(const Args& a, 
         if constexpr (VNNI) {
           for (int c = 0; c < 8; ++c) {
             const __m256i xb = _mm256_set1_epi32(xr[c]);
-            for (int h = 0; h < 2; ++h) d[c / 4][h] = dot_u8s8<VNNI>(d[c / 4][h], w[c][h], xb);
+            for (int h = 0; h < 2; ++h) d[c / 4][h] = dot_vnni256(d[c / 4][h], w[c][h], xb);
           }
         } else {
           small_dots256<F, true>(w, xr, d);
@@ -849,15 +848,13 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_avx2(const Args& a, 
                            {_mm256_setzero_si256(), _mm256_setzero_si256()}};
         if constexpr (!VNNI) {
           const int64_t xj = (r0 + r) * a.nb + b;
-          const __m256i lo = _mm256_set1_epi32(128 * a.sum_lo[xj]), hi = _mm256_set1_epi32(128 * a.sum_hi[xj]);
-          __m256i ds[2][2] = {{lo, lo}, {hi, hi}};
-          signed_dots256<true>(sw8, xr, ds);
-          for (int k = 0; k < 2; ++k)
-            for (int h = 0; h < 2; ++h) d[k][h] = ds[k][h];
+          d[0][0] = d[0][1] = _mm256_set1_epi32(128 * a.sum_lo[xj]);
+          d[1][0] = d[1][1] = _mm256_set1_epi32(128 * a.sum_hi[xj]);
+          signed_dots256<true>(sw8, xr, d);
         } else {
           for (int c = 0; c < 8; ++c) {
             const __m256i xb = _mm256_set1_epi32(xr[c]);
-            for (int h = 0; h < 2; ++h) d[c / 4][h] = dot_u8s8<VNNI>(d[c / 4][h], w[c][h], xb);
+            for (int h = 0; h < 2; ++h) d[c / 4][h] = dot_vnni256(d[c / 4][h], w[c][h], xb);
           }
         }
         const int64_t xi = r * a.nb + b;
@@ -887,7 +884,7 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_avx2(const Args& a, 
       } else {
         for (int c = 0; c < 8; ++c) {
           const __m256i xb = _mm256_set1_epi32(xr[c]);
-          for (int h = 0; h < 2; ++h) d[h] = dot_u8s8<VNNI>(d[h], w[c][h], xb);
+          for (int h = 0; h < 2; ++h) d[h] = dot_vnni256(d[h], w[c][h], xb);
         }
       }
       const __m256 scale = _mm256_set1_ps(dx[r * a.nb + b]), shift = _mm256_set1_ps(sx[r * a.nb + b]);
