@@ -45,6 +45,19 @@ def decode_meta(seq_lens: list[int], block_size: int, num_blocks: int, seed: int
     )
 
 
+def assert_kernel_matches_plain_torch(meta, q, k, v, k_cache, v_cache, window) -> None:
+    """The backend on the C++ kernels against plain torch, each on its own
+    copy of the caches, within float32's tolerance."""
+    reference, kernel = TorchAttention(cpu_kernels=False), TorchAttention(cpu_kernels=True)
+    assert kernel.cpu_kernels and not reference.cpu_kernels
+    outs = []
+    for backend in (reference, kernel):
+        meta.backend_state = {}
+        backend.prepare(meta)
+        outs.append(backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, LayerAttention(sliding_window=window)))
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-6, rtol=1e-5)
+
+
 # The shapes' corner cases are the kernel tests'; here, the backend's own
 # inputs: several sequences, windows, both cache dtypes.
 @pytest.mark.parametrize("hq,hkv,dim", [(9, 3, 64), (4, 1, 40)])  # SmolLM2; D not a multiple of 16
@@ -64,16 +77,7 @@ def test_decode_on_the_kernel_matches_plain_torch(hq, hkv, dim, seq_lens, window
     q = qkv[:, : hq * dim].view(len(seq_lens), hq, dim)
     k = qkv[:, hq * dim : (hq + hkv) * dim].view(len(seq_lens), hkv, dim)
     v = qkv[:, (hq + hkv) * dim :].view(len(seq_lens), hkv, dim)
-    reference, kernel = TorchAttention(cpu_kernels=False), TorchAttention(cpu_kernels=True)
-    assert kernel.cpu_kernels and not reference.cpu_kernels
-    outs = []
-    for backend in (reference, kernel):
-        meta.backend_state = {}
-        backend.prepare(meta)
-        outs.append(backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, LayerAttention(sliding_window=window)))
-    torch.testing.assert_close(outs[1], outs[0], atol=2e-6, rtol=1e-5)
-
-
+    assert_kernel_matches_plain_torch(meta, q, k, v, k_cache, v_cache, window)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
@@ -81,8 +85,9 @@ def test_decode_on_the_kernel_matches_plain_torch(hq, hkv, dim, seq_lens, window
 def test_prompts_beside_decodes_match_plain_torch(cache_dtype, window, monkeypatch):
     """A step of two decodes, two prompts with nothing cached and a prompt's
     second chunk after 32 cached tokens, against the plain-torch backend. On
-    an AVX-512 host with a bfloat16 cache the three prompts go through the
-    C++ causal kernel, unless the window hides some of their keys."""
+    an AVX-512 or AVX2 host with a bfloat16 cache the three prompts go
+    through the C++ causal kernel, unless the window hides some of their
+    keys."""
     hq, hkv, dim, block_size = 8, 2, 64, 16
     # (cached, new) tokens per sequence: decodes first, as the batch orders them.
     seqs = [(40, 1), (7, 1), (0, 20), (0, 37), (32, 9)]
@@ -112,12 +117,6 @@ def test_prompts_beside_decodes_match_plain_torch(cache_dtype, window, monkeypat
     calls = []
     kernel_op = cpu_kernels.prefill_attention
     monkeypatch.setattr(cpu_kernels, "prefill_attention", lambda *a: calls.append(a[1].shape[0]) or kernel_op(*a))
-    reference, kernel = TorchAttention(cpu_kernels=False), TorchAttention(cpu_kernels=True)
-    outs = []
-    for backend in (reference, kernel):
-        meta.backend_state = {}
-        backend.prepare(meta)
-        outs.append(backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, LayerAttention(sliding_window=window)))
-    torch.testing.assert_close(outs[1], outs[0], atol=2e-6, rtol=1e-5)
+    assert_kernel_matches_plain_torch(meta, q, k, v, k_cache, v_cache, window)
     on_kernel = cache_dtype == torch.bfloat16 and torch_attention._PROMPT_KERNEL_ISA and window != 16
     assert calls == ([20, 37, 9] if on_kernel else [])

@@ -13,7 +13,8 @@ from sluice_server.layers.attention import GLOBAL_ATTENTION, AttentionBackend, A
 
 # The C++ kernels are built for the host (-march=native): the prompt kernel
 # has AVX-512 and AVX2 forms (its portable loops are slower than SDPA).
-_PROMPT_KERNEL_ISA = "avx512f" in cpu_flags() or {"avx2", "fma"} <= cpu_flags()
+_FLAGS = cpu_flags()
+_PROMPT_KERNEL_ISA = "avx512f" in _FLAGS or {"avx2", "fma"} <= _FLAGS
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
